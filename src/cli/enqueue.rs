@@ -1,0 +1,53 @@
+//! `almanac enqueue KIND [--payload JSON] [--key KEY] [--run-at RFC3339] [--max-attempts N]`
+
+use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+
+use super::Ctx;
+use crate::queue::{self, Enqueued, NewJob};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The job kind, as handlers are registered.
+    kind: String,
+    /// The payload, as JSON.
+    #[arg(long, env = "ALMANAC_PAYLOAD", default_value = "{}", value_parser = parse_json)]
+    payload: serde_json::Value,
+    /// Idempotency key: a second enqueue with it inserts nothing.
+    #[arg(long, env = "ALMANAC_KEY")]
+    key: Option<String>,
+    /// Not before this instant (RFC 3339, e.g. 2026-12-01T09:00:00+09:00).
+    #[arg(long, env = "ALMANAC_RUN_AT", value_parser = parse_instant)]
+    run_at: Option<DateTime<Utc>>,
+    /// Attempts before the job is dead (default 5).
+    #[arg(long, env = "ALMANAC_MAX_ATTEMPTS", value_parser = clap::value_parser!(i32).range(1..))]
+    max_attempts: Option<i32>,
+}
+
+pub fn parse_json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not valid JSON ({e}); quote it for the shell, e.g. --payload '{{\"id\": 42}}'"))
+}
+
+pub fn parse_instant(s: &str) -> Result<DateTime<Utc>, String> {
+    DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|e| format!("`{s}` is not an RFC 3339 instant ({e}); write e.g. 2026-12-01T09:00:00Z"))
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    let pool = ctx.pool().await?;
+    let mut job = NewJob::new(args.kind).payload(args.payload);
+    job.run_at = args.run_at;
+    job.max_attempts = args.max_attempts;
+    job.idempotency_key = args.key.clone();
+    let mut conn = pool.acquire().await?;
+    let enqueued = queue::enqueue(&mut conn, &job).await.context("enqueue failed")?;
+    println!("{}", enqueued.id());
+    if let Enqueued::Existing(id) = enqueued {
+        eprintln!(
+            "a job with idempotency key `{}` already exists (id {id}); nothing was enqueued",
+            args.key.unwrap_or_default()
+        );
+    }
+    Ok(())
+}

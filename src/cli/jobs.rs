@@ -1,0 +1,115 @@
+//! `almanac jobs list|show|retry|cancel`
+
+use clap::Subcommand;
+
+use super::Ctx;
+use crate::queue::{self, Job, JobFilter, JobStatus};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: JobsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum JobsCommand {
+    /// Newest jobs first.
+    List {
+        #[arg(long)]
+        status: Option<JobStatus>,
+        #[arg(long)]
+        kind: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job in full.
+    Show {
+        id: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Give a dead job a fresh set of attempts.
+    Retry { id: i64 },
+    /// Bury a ready job before it runs.
+    Cancel { id: i64 },
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    let pool = ctx.pool().await?;
+    match args.command {
+        JobsCommand::List {
+            status,
+            kind,
+            limit,
+            json,
+        } => {
+            let jobs = queue::list(&pool, &JobFilter { status, kind, limit }).await?;
+            if json {
+                for job in &jobs {
+                    println!("{}", serde_json::to_string(job)?);
+                }
+            } else {
+                print_table(&jobs);
+            }
+        }
+        JobsCommand::Show { id, json } => {
+            let job = queue::get(&pool, id).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&job)?);
+            } else {
+                print_job(&job);
+            }
+        }
+        JobsCommand::Retry { id } => {
+            let job = queue::retry(&mut *pool.acquire().await?, id).await?;
+            println!("job {} ({}) is ready again with {} attempts", job.id, job.kind, job.max_attempts);
+        }
+        JobsCommand::Cancel { id } => {
+            let job = queue::cancel(&mut *pool.acquire().await?, id).await?;
+            println!("job {} ({}) cancelled; it is dead and will not run", job.id, job.kind);
+        }
+    }
+    Ok(())
+}
+
+fn print_table(jobs: &[Job]) {
+    println!("{:>10}  {:<20} {:<8} {:>8}  {:<25} LAST ERROR", "ID", "KIND", "STATUS", "ATTEMPTS", "RUN AT");
+    for job in jobs {
+        let error = job.last_error.as_deref().unwrap_or("");
+        let error: String = error.lines().next().unwrap_or("").chars().take(60).collect();
+        println!(
+            "{:>10}  {:<20} {:<8} {:>8}  {:<25} {}",
+            job.id,
+            job.kind,
+            job.status,
+            format!("{}/{}", job.attempts, job.max_attempts),
+            job.run_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            error
+        );
+    }
+    if jobs.is_empty() {
+        println!("(no jobs match)");
+    }
+}
+
+fn print_job(job: &Job) {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let time = |v: Option<chrono::DateTime<chrono::Utc>>| v.map_or("-".into(), |t| t.to_rfc3339());
+    println!("id:              {}", job.id);
+    println!("kind:            {}", job.kind);
+    println!("status:          {}", job.status);
+    println!("attempts:        {}/{}", job.attempts, job.max_attempts);
+    println!("run at:          {}", job.run_at.to_rfc3339());
+    println!("lease until:     {}", time(job.lease_until));
+    println!("idempotency key: {}", job.effective_idempotency_key());
+    println!("route:           {}", job.route);
+    println!("schedule:        {}", opt(&job.schedule));
+    println!("logical run:     {}", opt(&job.logical_run));
+    println!("created at:      {}", job.created_at.to_rfc3339());
+    println!("finished at:     {}", time(job.finished_at));
+    println!("last error:      {}", opt(&job.last_error));
+    println!("payload:         {}", job.payload);
+}

@@ -1,0 +1,148 @@
+//! The `almanac` command line: one file per subcommand, each with its `Args`
+//! and `run()`. Errors reach the person as `error: ...` on stderr with exit
+//! status 1 (2 for usage errors, from clap).
+
+mod enqueue;
+mod jobs;
+mod migrate;
+mod run;
+mod stats;
+mod work;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+use sqlx::PgPool;
+
+use crate::config::{Config, LogFormat, DEFAULT_DATABASE_URL};
+use crate::db;
+
+#[derive(Debug, Parser)]
+#[command(name = "almanac", version, about = "Scheduler and outbox relay on PostgreSQL")]
+pub struct Cli {
+    /// PostgreSQL URL; the database is created when missing.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// Config file (default: ./almanac.toml when present).
+    #[arg(long, env = "ALMANAC_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// Log format on stderr.
+    #[arg(long, env = "ALMANAC_LOG_FORMAT", global = true, value_enum)]
+    log_format: Option<LogFormat>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply the database migrations (schema `almanac`).
+    Migrate(migrate::Args),
+    /// Enqueue one job and print its id.
+    Enqueue(enqueue::Args),
+    /// List, inspect, retry or cancel jobs.
+    Jobs(jobs::Args),
+    /// Queue health: jobs by status and kind, oldest due job, expired leases.
+    Stats(stats::Args),
+    /// Run the service roles (reaper) until SIGINT/SIGTERM.
+    Run(run::Args),
+    /// Run jobs with shell-command handlers until SIGINT/SIGTERM.
+    Work(work::Args),
+}
+
+/// What every subcommand gets: the resolved config and a way to the database.
+pub struct Ctx {
+    pub config: Config,
+    database_url: String,
+}
+
+impl Ctx {
+    /// Connects and applies pending migrations (for the long-running roles).
+    pub async fn migrated_pool(&self, max_connections: u32) -> anyhow::Result<PgPool> {
+        Ok(db::connect_and_migrate(&self.database_url, max_connections).await?)
+    }
+
+    /// Connects to a database that must already have the schema.
+    pub async fn pool(&self) -> anyhow::Result<PgPool> {
+        let pool = db::connect(&self.database_url, 2).await?;
+        let present: bool = sqlx::query_scalar("SELECT to_regclass('almanac.jobs') IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .context("checking for the almanac schema")?;
+        if !present {
+            bail!(
+                "{} has no almanac schema yet; run `almanac migrate` (or start `almanac run`) first",
+                db::Target::of(&pool.connect_options())
+            );
+        }
+        Ok(pool)
+    }
+}
+
+pub async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(config) => config,
+        Err(err) => {
+            init_logging(cli.log_format.unwrap_or(LogFormat::Human));
+            return report(anyhow::Error::new(err));
+        }
+    };
+    init_logging(cli.log_format.or(config.log_format).unwrap_or(LogFormat::Human));
+    let database_url = cli
+        .database_url
+        .clone()
+        .or_else(|| config.database_url.clone())
+        .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_string());
+    let ctx = Ctx {
+        config,
+        database_url,
+    };
+    let result = match cli.command {
+        Command::Migrate(args) => migrate::run(&ctx, args).await,
+        Command::Enqueue(args) => enqueue::run(&ctx, args).await,
+        Command::Jobs(args) => jobs::run(&ctx, args).await,
+        Command::Stats(args) => stats::run(&ctx, args).await,
+        Command::Run(args) => run::run(&ctx, args).await,
+        Command::Work(args) => work::run(&ctx, args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => report(err),
+    }
+}
+
+fn report(err: anyhow::Error) -> ExitCode {
+    eprintln!("error: {}", chain_text(&err));
+    ExitCode::FAILURE
+}
+
+/// The error and its causes, `a: b: c`, leaving out a cause whose text the
+/// message already carries (many errors repeat their source in `Display`).
+pub fn chain_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
+fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}

@@ -1,0 +1,90 @@
+//! `almanac work --handler KIND='COMMAND' [--handler ...] [--concurrency N]`
+
+use anyhow::bail;
+
+use super::Ctx;
+use crate::config::HumanDuration;
+use crate::supervisor::Supervisor;
+use crate::worker::exec::{parse_handler_spec, ExecHandler};
+use crate::worker::{Worker, WorkerConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// KIND=COMMAND; repeat for more kinds. COMMAND runs with `sh -c`, the
+    /// payload on stdin. In ALMANAC_HANDLERS, one KIND=COMMAND per line.
+    #[arg(long = "handler", env = "ALMANAC_HANDLERS", value_delimiter = '\n', required = true, value_parser = parse_handler_spec)]
+    handlers: Vec<(String, String)>,
+    #[command(flatten)]
+    worker: WorkerFlags,
+}
+
+/// Worker settings shared by every command that runs handlers.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerFlags {
+    /// Handlers running at once [default: 10].
+    #[arg(long, env = "ALMANAC_CONCURRENCY")]
+    pub concurrency: Option<usize>,
+    /// Most jobs per claim statement [default: 10].
+    #[arg(long, env = "ALMANAC_BATCH_SIZE")]
+    pub batch_size: Option<usize>,
+    /// Lease length; renewed every third of it while a handler runs [default: 30s].
+    #[arg(long, env = "ALMANAC_LEASE")]
+    pub lease: Option<HumanDuration>,
+    /// Poll interval behind LISTEN/NOTIFY [default: 1s].
+    #[arg(long, env = "ALMANAC_POLL_INTERVAL")]
+    pub poll_interval: Option<HumanDuration>,
+    /// How long running handlers get to finish on SIGTERM [default: 30s].
+    #[arg(long, env = "ALMANAC_SHUTDOWN_DEADLINE")]
+    pub shutdown_deadline: Option<HumanDuration>,
+    /// Kill a command and retry its job after this long [default: none].
+    #[arg(long, env = "ALMANAC_TIMEOUT")]
+    pub timeout: Option<HumanDuration>,
+}
+
+impl WorkerFlags {
+    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<WorkerConfig> {
+        let file = &ctx.config.worker;
+        let defaults = WorkerConfig::default();
+        let pick = |flag: Option<HumanDuration>, file: Option<HumanDuration>, default| {
+            flag.or(file).map_or(default, |d| d.0)
+        };
+        let config = WorkerConfig {
+            concurrency: self.concurrency.or(file.concurrency).unwrap_or(defaults.concurrency),
+            batch_size: self.batch_size.or(file.batch_size).unwrap_or(defaults.batch_size),
+            lease: pick(self.lease, file.lease, defaults.lease),
+            poll_interval: pick(self.poll_interval, file.poll_interval, defaults.poll_interval),
+            shutdown_deadline: pick(self.shutdown_deadline, file.shutdown_deadline, defaults.shutdown_deadline),
+            ..defaults
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn command_timeout(&self, ctx: &Ctx) -> Option<std::time::Duration> {
+        self.timeout.or(ctx.config.worker.timeout).map(|d| d.0)
+    }
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    let config = args.worker.resolve(ctx)?;
+    let timeout = args.worker.command_timeout(ctx);
+    let mut kinds: Vec<&str> = args.handlers.iter().map(|(k, _)| k.as_str()).collect();
+    kinds.sort_unstable();
+    if let Some(pair) = kinds.windows(2).find(|w| w[0] == w[1]) {
+        bail!("--handler names kind `{}` twice; give each kind one command", pair[0]);
+    }
+    let pool = ctx.migrated_pool(4).await?;
+    let mut worker = Worker::new(pool, config);
+    for (kind, command) in args.handlers {
+        worker = worker.register(kind, ExecHandler::new(command).timeout(timeout));
+    }
+    let mut supervisor = Supervisor::new();
+    let token = supervisor.token();
+    supervisor.spawn("worker", async move {
+        if let Err(err) = worker.run(token).await {
+            tracing::error!(%err, "worker stopped");
+        }
+    });
+    supervisor.run_until_signal().await;
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! `almanac.toml`, overridden by `ALMANAC_*` environment variables and flags.
+//!
+//! Precedence, highest first: a command-line flag, its environment variable
+//! (clap reads both), the config file, the built-in default. The file is
+//! optional: `almanac.toml` in the working directory when present, or the path
+//! given by `--config` / `ALMANAC_CONFIG` (which must exist). Unknown keys are
+//! rejected with the file, line and column, so a typo never silently falls
+//! back to a default. `database_url` may hold a password; it is never logged.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/almanac";
+pub const DEFAULT_CONFIG_FILE: &str = "almanac.toml";
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database_url: Option<String>,
+    pub log_format: Option<LogFormat>,
+    /// Roles `almanac run` runs; default: all that apply.
+    pub roles: Option<Vec<String>>,
+    pub schedules_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub worker: WorkerSection,
+    #[serde(default)]
+    pub reaper: ReaperSection,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSection {
+    pub concurrency: Option<usize>,
+    pub batch_size: Option<usize>,
+    pub lease: Option<HumanDuration>,
+    pub poll_interval: Option<HumanDuration>,
+    pub shutdown_deadline: Option<HumanDuration>,
+    /// Per-command timeout of the exec handler.
+    pub timeout: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReaperSection {
+    pub interval: Option<HumanDuration>,
+    pub batch_size: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path} does not exist (named by --config or ALMANAC_CONFIG)")]
+    Missing { path: PathBuf },
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{column}: {message}")]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+}
+
+impl Config {
+    /// Loads `explicit`, or `almanac.toml` when it exists, or the defaults.
+    pub fn load(explicit: Option<&Path>) -> Result<Config, ConfigError> {
+        let path = match explicit {
+            Some(path) if !path.exists() => {
+                return Err(ConfigError::Missing {
+                    path: path.to_path_buf(),
+                })
+            }
+            Some(path) => path.to_path_buf(),
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => PathBuf::from(DEFAULT_CONFIG_FILE),
+            None => return Ok(Config::default()),
+        };
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        Self::parse(&path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let (line, column) = line_col(text, e.span().map_or(0, |s| s.start));
+            ConfigError::Parse {
+                path: path.to_path_buf(),
+                line,
+                column,
+                message: e.message().to_string(),
+            }
+        })
+    }
+}
+
+/// 1-based line and column of a byte offset.
+pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+/// A duration written as a person would: `500ms`, `30s`, `5m`, `2h`, `7d`,
+/// or a combination such as `1h30m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HumanDuration(pub Duration);
+
+impl FromStr for HumanDuration {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || {
+            format!("`{s}` is not a duration; write a number with a unit: 500ms, 30s, 5m, 2h, 7d (or 1h30m)")
+        };
+        let text = s.trim();
+        if text.is_empty() {
+            return Err(bad());
+        }
+        let mut total = Duration::ZERO;
+        let mut rest = text;
+        while !rest.is_empty() {
+            let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+            if digits == 0 {
+                return Err(bad());
+            }
+            let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+            rest = &rest[digits..];
+            let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+            let unit = match &rest[..unit_len] {
+                "ms" => Duration::from_millis(1),
+                "s" => Duration::from_secs(1),
+                "m" => Duration::from_secs(60),
+                "h" => Duration::from_secs(3600),
+                "d" => Duration::from_secs(86_400),
+                _ => return Err(bad()),
+            };
+            total += unit.checked_mul(u32::try_from(n).map_err(|_| bad())?).ok_or_else(bad)?;
+            rest = &rest[unit_len..];
+        }
+        Ok(HumanDuration(total))
+    }
+}
+
+impl fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = self.0.as_millis();
+        match ms {
+            0 => write!(f, "0s"),
+            _ if ms % 86_400_000 == 0 => write!(f, "{}d", ms / 86_400_000),
+            _ if ms % 3_600_000 == 0 => write!(f, "{}h", ms / 3_600_000),
+            _ if ms % 60_000 == 0 => write!(f, "{}m", ms / 60_000),
+            _ if ms % 1000 == 0 => write!(f, "{}s", ms / 1000),
+            _ => write!(f, "{ms}ms"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_written() {
+        let d = |s: &str| s.parse::<HumanDuration>().map(|h| h.0);
+        assert_eq!(d("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(d("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(d("1h30m"), Ok(Duration::from_secs(5400)));
+        for bad in ["", "7", "d", "3 days", "-1s", "1.5h"] {
+            let err = d(bad).unwrap_err();
+            assert!(err.contains("is not a duration"), "{bad}: {err}");
+        }
+        assert_eq!(HumanDuration(Duration::from_secs(5400)).to_string(), "90m");
+    }
+
+    #[test]
+    fn unknown_key_names_file_line_and_key() {
+        let text = "database_url = \"postgres://x\"\n\n[worker]\nconcurency = 4\n";
+        let err = Config::parse(Path::new("almanac.toml"), text).unwrap_err().to_string();
+        assert!(err.starts_with("almanac.toml:4:1: unknown field `concurency`"), "{err}");
+    }
+
+    #[test]
+    fn bad_duration_in_file_is_reported_at_its_line() {
+        let text = "[reaper]\ninterval = \"soon\"\n";
+        let err = Config::parse(Path::new("a.toml"), text).unwrap_err().to_string();
+        assert!(err.starts_with("a.toml:2:"), "{err}");
+        assert!(err.contains("`soon` is not a duration"), "{err}");
+    }
+}

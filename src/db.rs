@@ -1,0 +1,180 @@
+//! Connecting to PostgreSQL and applying the schema.
+//!
+//! [`connect`] creates the database named in the URL when it does not exist
+//! yet, so `almanac migrate` works on a fresh server. Errors name the host,
+//! port, database and user, never the password: [`Target`] is the only form in
+//! which a connection string reaches a message or a log line.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// The migrations in `migrations/`, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Where a connection goes, without its secrets.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub host: String,
+    pub port: u16,
+    pub database: String,
+    pub user: String,
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "database \"{}\" on {}:{} as user \"{}\"",
+            self.database, self.host, self.port, self.user
+        )
+    }
+}
+
+impl Target {
+    pub fn of(options: &PgConnectOptions) -> Self {
+        Target {
+            host: options.get_host().to_string(),
+            port: options.get_port(),
+            database: options.get_database().unwrap_or("(default)").to_string(),
+            user: options.get_username().to_string(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("DATABASE_URL is not a valid PostgreSQL URL ({reason}); expected postgres://USER[:PASSWORD]@HOST:PORT/DATABASE")]
+    BadUrl { reason: String },
+    #[error("cannot connect to {target} ({source}); is PostgreSQL running there, and is DATABASE_URL (or --database-url) right?")]
+    Connect {
+        target: Target,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("{target} does not exist and could not be created: {source}")]
+    Create {
+        target: Target,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("applying migrations to {target} failed: {source}")]
+    Migrate {
+        target: Target,
+        #[source]
+        source: sqlx::migrate::MigrateError,
+    },
+}
+
+/// Parses a URL; the error never repeats the URL (it may hold a password).
+pub fn parse_url(url: &str) -> Result<PgConnectOptions, DbError> {
+    PgConnectOptions::from_str(url).map_err(|e| DbError::BadUrl {
+        reason: redact_reason(&e.to_string(), url),
+    })
+}
+
+fn redact_reason(reason: &str, url: &str) -> String {
+    match url::password_of(url) {
+        Some(password) if !password.is_empty() => reason.replace(password, "***"),
+        _ => reason.to_string(),
+    }
+}
+
+mod url {
+    /// The password between `user:` and `@`, if the URL has one.
+    pub fn password_of(url: &str) -> Option<&str> {
+        let rest = url.split_once("://")?.1;
+        let userinfo = rest.split_once('@')?.0;
+        Some(userinfo.split_once(':')?.1)
+    }
+}
+
+/// Connects a pool, creating the database first when it does not exist.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
+    let options = parse_url(url)?.application_name("almanac");
+    let target = Target::of(&options);
+    ensure_database(&options, &target).await?;
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(|source| DbError::Connect { target, source })
+}
+
+/// Connects and applies every pending migration.
+pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
+    let pool = connect(url, max_connections).await?;
+    migrate(&pool).await?;
+    Ok(pool)
+}
+
+pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
+    MIGRATOR
+        .run(pool)
+        .await
+        .map_err(|source| DbError::Migrate {
+            target: Target::of(&pool.connect_options()),
+            source,
+        })
+}
+
+async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<(), DbError> {
+    match options.connect().await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {
+            let name = options.get_database().unwrap_or_default().to_string();
+            let maintenance = options.clone().database("postgres");
+            let mut conn = PgConnection::connect_with(&maintenance)
+                .await
+                .map_err(|source| DbError::Connect {
+                    target: Target::of(&maintenance),
+                    source,
+                })?;
+            let sql = format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\""));
+            let created = sqlx::query(&sql).execute(&mut conn).await;
+            let _ = conn.close().await;
+            match created {
+                Ok(_) => {
+                    tracing::info!(database = %name, "created database");
+                    Ok(())
+                }
+                // Another process created it between our two connections.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => Ok(()),
+                Err(source) => Err(DbError::Create {
+                    target: target.clone(),
+                    source,
+                }),
+            }
+        }
+        Err(source) => Err(DbError::Connect {
+            target: target.clone(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_url_error_never_shows_the_password() {
+        let err = parse_url("postgres://app:hunter2@db:notaport/x").unwrap_err();
+        let text = err.to_string();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("DATABASE_URL"), "{text}");
+    }
+
+    #[test]
+    fn target_names_host_database_and_user_only() {
+        let options = parse_url("postgres://app:hunter2@db.internal:6543/orders").unwrap();
+        let text = Target::of(&options).to_string();
+        assert_eq!(text, "database \"orders\" on db.internal:6543 as user \"app\"");
+    }
+}

@@ -1,0 +1,6 @@
+use std::process::ExitCode;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    almanac::cli::main().await
+}

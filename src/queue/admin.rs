@@ -1,0 +1,142 @@
+//! Operator actions and read-only views of the queue.
+
+use serde::Serialize;
+use sqlx::{PgConnection, PgExecutor};
+
+use super::{Job, JobStatus, QueueError, NOTIFY_CHANNEL};
+
+pub async fn get<'e>(db: impl PgExecutor<'e>, id: i64) -> Result<Job, QueueError> {
+    sqlx::query_as::<_, Job>("SELECT * FROM almanac.jobs WHERE id = $1")
+        .bind(id)
+        .fetch_optional(db)
+        .await?
+        .ok_or(QueueError::NotFound(id))
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct JobFilter {
+    pub status: Option<JobStatus>,
+    pub kind: Option<String>,
+    pub limit: i64,
+}
+
+/// Newest first.
+pub async fn list<'e>(db: impl PgExecutor<'e>, filter: &JobFilter) -> Result<Vec<Job>, QueueError> {
+    Ok(sqlx::query_as::<_, Job>(
+        r#"
+        SELECT * FROM almanac.jobs
+        WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR kind = $2)
+        ORDER BY id DESC
+        LIMIT $3
+        "#,
+    )
+    .bind(filter.status)
+    .bind(filter.kind.as_deref())
+    .bind(filter.limit.max(0))
+    .fetch_all(db)
+    .await?)
+}
+
+/// Gives a dead job a fresh set of attempts, due now. `last_error` is kept
+/// until the next attempt overwrites it.
+pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
+    let job = transition(
+        conn,
+        id,
+        JobStatus::Dead,
+        "retry",
+        "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
+         WHERE id = $1 AND status = 'dead' RETURNING *",
+    )
+    .await?;
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(NOTIFY_CHANNEL)
+        .bind(&job.kind)
+        .execute(&mut *conn)
+        .await?;
+    Ok(job)
+}
+
+/// Buries a job that has not started: `dead` with `last_error` saying so.
+pub async fn cancel(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
+    transition(
+        conn,
+        id,
+        JobStatus::Ready,
+        "cancel",
+        "UPDATE almanac.jobs SET status = 'dead', finished_at = now(), \
+         last_error = 'cancelled by an operator before it ran' \
+         WHERE id = $1 AND status = 'ready' RETURNING *",
+    )
+    .await
+}
+
+async fn transition(
+    conn: &mut PgConnection,
+    id: i64,
+    expected: JobStatus,
+    action: &'static str,
+    sql: &'static str,
+) -> Result<Job, QueueError> {
+    if let Some(job) = sqlx::query_as::<_, Job>(sql)
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?
+    {
+        return Ok(job);
+    }
+    let current = get(&mut *conn, id).await?;
+    Err(QueueError::WrongStatus {
+        id,
+        status: current.status,
+        action,
+        expected: expected.as_str(),
+    })
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct KindStatusCount {
+    pub kind: String,
+    pub status: JobStatus,
+    pub count: i64,
+}
+
+/// The queue at a glance; `almanac stats` and `/metrics` print it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub by_kind_status: Vec<KindStatusCount>,
+    /// Seconds since the oldest due ready job became due (0 when none).
+    pub oldest_due_ready_seconds: f64,
+    /// Running jobs whose lease has expired and that the reaper has not taken back yet.
+    pub expired_leases: i64,
+    pub dead: i64,
+}
+
+pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
+    let by_kind_status = sqlx::query_as::<_, KindStatusCount>(
+        "SELECT kind, status, count(*) AS count FROM almanac.jobs GROUP BY kind, status ORDER BY kind, status",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let (oldest, expired): (Option<f64>, i64) = sqlx::query_as(
+        r#"
+        SELECT
+          (SELECT extract(epoch FROM now() - min(run_at))::float8 FROM almanac.jobs
+             WHERE status = 'ready' AND run_at <= now()),
+          (SELECT count(*) FROM almanac.jobs WHERE status = 'running' AND lease_until < clock_timestamp())
+        "#,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let dead = by_kind_status
+        .iter()
+        .filter(|c| c.status == JobStatus::Dead)
+        .map(|c| c.count)
+        .sum();
+    Ok(Stats {
+        by_kind_status,
+        oldest_due_ready_seconds: oldest.unwrap_or(0.0).max(0.0),
+        expired_leases: expired,
+        dead,
+    })
+}

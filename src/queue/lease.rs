@@ -1,0 +1,266 @@
+//! Claim and every write that the lease fence guards. See the module doc of
+//! [`crate::queue`] for the guarantee.
+
+use std::time::Duration;
+
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use super::{Job, JobStatus, QueueError};
+
+/// The result of a fenced write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced<T> {
+    /// The caller still held the lease; the write happened.
+    Held(T),
+    /// The lease was lost (expired, reaped, or the job was claimed again);
+    /// nothing was written.
+    Lost,
+}
+
+impl<T> Fenced<T> {
+    pub fn is_held(&self) -> bool {
+        matches!(self, Fenced::Held(_))
+    }
+}
+
+/// What to claim.
+#[derive(Debug, Clone)]
+pub struct Claim<'a> {
+    /// Only these kinds (the handlers the caller has).
+    pub kinds: &'a [String],
+    /// At most this many: the caller's free slots, never more.
+    pub limit: i64,
+    pub lease: Duration,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Claims due ready jobs in `(run_at, id)` order in one statement: rows locked
+/// by a concurrent claim are skipped, not waited for. Each job gets its own
+/// fresh lease token. Jobs routed to the broker are left to broker consumers.
+pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec<Job>, QueueError> {
+    if claim.limit <= 0 || claim.kinds.is_empty() {
+        return Ok(Vec::new());
+    }
+    let jobs = sqlx::query_as::<_, Job>(
+        r#"
+        WITH picked AS (
+            SELECT id FROM almanac.jobs
+            WHERE status = 'ready' AND run_at <= now() AND kind = ANY($1) AND route <> 'broker'
+            ORDER BY run_at, id
+            LIMIT $2
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE almanac.jobs AS j
+        SET status = 'running',
+            attempts = j.attempts + 1,
+            lease_token = gen_random_uuid(),
+            lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+        FROM picked
+        WHERE j.id = picked.id
+        RETURNING j.*
+        "#,
+    )
+    .bind(claim.kinds)
+    .bind(claim.limit)
+    .bind(millis(claim.lease))
+    .fetch_all(db)
+    .await?;
+    Ok(jobs)
+}
+
+/// Marks one job done if its lease is still held and unexpired.
+pub async fn complete<'e>(
+    db: impl PgExecutor<'e>,
+    id: i64,
+    token: Uuid,
+) -> Result<Fenced<()>, QueueError> {
+    let done = complete_many(db, &[(id, token)]).await?;
+    Ok(if done.is_empty() { Fenced::Lost } else { Fenced::Held(()) })
+}
+
+/// Marks a batch done in one statement; returns the ids whose lease was held.
+/// The others were lost and are left as they are.
+pub async fn complete_many<'e>(
+    db: impl PgExecutor<'e>,
+    leases: &[(i64, Uuid)],
+) -> Result<Vec<i64>, QueueError> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
+    let done: Vec<(i64,)> = sqlx::query_as(
+        r#"
+        UPDATE almanac.jobs AS j
+        SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
+        FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+        WHERE j.id = c.id AND j.status = 'running' AND j.lease_token = c.token
+          AND j.lease_until > clock_timestamp()
+        RETURNING j.id
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .fetch_all(db)
+    .await?;
+    Ok(done.into_iter().map(|(id,)| id).collect())
+}
+
+/// Why an attempt failed.
+#[derive(Debug, Clone)]
+pub enum Failure {
+    /// Try again after `delay`, unless the attempts are used up.
+    Retry { delay: Duration, error: String },
+    /// Never try again.
+    Permanent { error: String },
+}
+
+/// Records a failed attempt under the fence: `ready` again after the delay,
+/// or `dead` when the failure is permanent or `attempts >= max_attempts`.
+/// `last_error` keeps the message either way. Returns the new status.
+pub async fn fail<'e>(
+    db: impl PgExecutor<'e>,
+    id: i64,
+    token: Uuid,
+    failure: &Failure,
+) -> Result<Fenced<JobStatus>, QueueError> {
+    let (permanent, delay, error) = match failure {
+        Failure::Retry { delay, error } => (false, *delay, error),
+        Failure::Permanent { error } => (true, Duration::ZERO, error),
+    };
+    let status: Option<(JobStatus,)> = sqlx::query_as(
+        r#"
+        UPDATE almanac.jobs
+        SET status = CASE WHEN $3 OR attempts >= max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN $3 OR attempts >= max_attempts THEN run_at
+                          ELSE clock_timestamp() + $4 * interval '1 millisecond' END,
+            finished_at = CASE WHEN $3 OR attempts >= max_attempts THEN clock_timestamp() END,
+            last_error = $5,
+            lease_token = NULL,
+            lease_until = NULL
+        WHERE id = $1 AND status = 'running' AND lease_token = $2
+        RETURNING status
+        "#,
+    )
+    .bind(id)
+    .bind(token)
+    .bind(permanent)
+    .bind(millis(delay))
+    .bind(error)
+    .fetch_optional(db)
+    .await?;
+    Ok(match status {
+        Some((status,)) => Fenced::Held(status),
+        None => Fenced::Lost,
+    })
+}
+
+/// Extends every held, unexpired lease in the batch to `now + lease`; returns
+/// the ids that were extended. An id missing from the result has lost its
+/// lease, and its handler should stop.
+pub async fn heartbeat_many<'e>(
+    db: impl PgExecutor<'e>,
+    leases: &[(i64, Uuid)],
+    lease: Duration,
+) -> Result<Vec<i64>, QueueError> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
+    let held: Vec<(i64,)> = sqlx::query_as(
+        r#"
+        UPDATE almanac.jobs AS j
+        SET lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+        FROM unnest($1::bigint[], $2::uuid[]) AS h(id, token)
+        WHERE j.id = h.id AND j.status = 'running' AND j.lease_token = h.token
+          AND j.lease_until > clock_timestamp()
+        RETURNING j.id
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(millis(lease))
+    .fetch_all(db)
+    .await?;
+    Ok(held.into_iter().map(|(id,)| id).collect())
+}
+
+/// Gives held leases back: the jobs are `ready` and due at once. Used at
+/// shutdown for handlers that did not finish in time; the attempt still
+/// counts, so a job that always hangs a shutdown ends dead, not looping.
+pub async fn release<'e>(
+    db: impl PgExecutor<'e>,
+    leases: &[(i64, Uuid)],
+    reason: &str,
+) -> Result<Vec<i64>, QueueError> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
+    let released: Vec<(i64,)> = sqlx::query_as(
+        r#"
+        UPDATE almanac.jobs AS j
+        SET status = 'ready', run_at = clock_timestamp(), lease_token = NULL, lease_until = NULL,
+            last_error = $3
+        FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)
+        WHERE j.id = r.id AND j.status = 'running' AND j.lease_token = r.token
+        RETURNING j.id
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(reason)
+    .fetch_all(db)
+    .await?;
+    Ok(released.into_iter().map(|(id,)| id).collect())
+}
+
+/// What one reaper batch did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReapReport {
+    /// Expired leases returned to `ready`.
+    pub requeued: u64,
+    /// Expired leases whose attempts were used up, now `dead`.
+    pub buried: u64,
+}
+
+/// Takes back at most `limit` expired leases in one short statement; rows
+/// another reaper holds are skipped.
+pub async fn reap_expired<'e>(db: impl PgExecutor<'e>, limit: i64) -> Result<ReapReport, QueueError> {
+    let rows: Vec<(JobStatus,)> = sqlx::query_as(
+        r#"
+        WITH expired AS (
+            SELECT id FROM almanac.jobs
+            WHERE status = 'running' AND lease_until < clock_timestamp()
+            ORDER BY lease_until
+            LIMIT $1
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE almanac.jobs AS j
+        SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
+            finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
+            last_error = format('lease expired during attempt %s of %s (worker died or stalled)',
+                                j.attempts, j.max_attempts),
+            lease_token = NULL,
+            lease_until = NULL
+        FROM expired
+        WHERE j.id = expired.id
+        RETURNING j.status
+        "#,
+    )
+    .bind(limit)
+    .fetch_all(db)
+    .await?;
+    let mut report = ReapReport::default();
+    for (status,) in rows {
+        match status {
+            JobStatus::Dead => report.buried += 1,
+            _ => report.requeued += 1,
+        }
+    }
+    Ok(report)
+}

@@ -1,0 +1,144 @@
+//! The job table, its state machine and its lease fence.
+//!
+//! ```text
+//!            enqueue
+//!               |
+//!               v        claim (SKIP LOCKED, fresh lease_token)
+//!  +-------> [ready] ---------------------------------> [running]
+//!  |            ^  \ cancel                              |  |  |
+//!  |            |   `---------> [dead] <-- permanent, ---'  |  |
+//!  |  retry     |                  ^       or attempts      |  |
+//!  |  (operator)|                  |       used up          |  |
+//!  |            `---- fail (retryable, backoff) ------------'  |
+//!  |                 or reaper (lease expired)                 |
+//!  `------------------------------------ [done] <-- complete --'
+//! ```
+//!
+//! **The fence.** Claiming sets `status = 'running'`, `attempts + 1`, a fresh
+//! random `lease_token` per job and `lease_until`. Every later write by the
+//! claimant — complete, fail, heartbeat — names that token:
+//! `WHERE id = $1 AND status = 'running' AND lease_token = $2`, and complete and
+//! heartbeat also require `lease_until > clock_timestamp()`. Zero rows means the
+//! lease was lost (it expired and the reaper took it back, or another worker
+//! now holds it): the caller gets [`Fenced::Lost`] and nothing is overwritten.
+//!
+//! **The limit.** The lease makes sure a job is never stuck and that a stale
+//! worker cannot record an outcome over a newer attempt. It does not make side
+//! effects happen once: a worker that loses its lease mid-call may already have
+//! charged the card. Handlers get the job's idempotency key to pass on
+//! (result upserts, API idempotency keys).
+//!
+//! **Time.** Every instant the fence compares is the database's
+//! (`clock_timestamp()`), so clock skew between workers cannot break it.
+
+mod admin;
+mod backoff;
+mod enqueue;
+mod lease;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+pub use admin::{cancel, get, list, retry, stats, JobFilter, KindStatusCount, Stats};
+pub use backoff::Backoff;
+pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
+pub use lease::{
+    claim, complete, complete_many, fail, heartbeat_many, reap_expired, release, Claim, Failure,
+    Fenced, ReapReport,
+};
+
+/// Where a job stands in the state machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type, Serialize)]
+#[sqlx(type_name = "text", rename_all = "lowercase")]
+#[serde(rename_all = "lowercase")]
+pub enum JobStatus {
+    Ready,
+    Running,
+    Done,
+    Dead,
+}
+
+impl JobStatus {
+    pub const ALL: [JobStatus; 4] = [Self::Ready, Self::Running, Self::Done, Self::Dead];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Running => "running",
+            Self::Done => "done",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+impl std::fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for JobStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or_else(|| format!("unknown status `{s}`; expected one of ready, running, done, dead"))
+    }
+}
+
+/// One row of `almanac.jobs`.
+#[derive(Debug, Clone, sqlx::FromRow, Serialize)]
+pub struct Job {
+    pub id: i64,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub status: JobStatus,
+    pub run_at: DateTime<Utc>,
+    pub attempts: i32,
+    pub max_attempts: i32,
+    /// The fence's secret: never printed.
+    #[serde(skip)]
+    pub lease_token: Option<Uuid>,
+    pub lease_until: Option<DateTime<Utc>>,
+    pub idempotency_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub route: String,
+    pub schedule: Option<String>,
+    pub logical_run: Option<String>,
+}
+
+impl Job {
+    /// The key a handler passes to the outside world so that a re-run of this
+    /// job has no second effect: the enqueuer's key, or `almanac:job:<id>`.
+    pub fn effective_idempotency_key(&self) -> String {
+        self.idempotency_key
+            .clone()
+            .unwrap_or_else(|| format!("almanac:job:{}", self.id))
+    }
+
+    /// The `(id, lease_token)` pair that the fence checks, for a running job.
+    pub fn lease(&self) -> Option<(i64, Uuid)> {
+        self.lease_token.map(|token| (self.id, token))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("no job with id {0}")]
+    NotFound(i64),
+    #[error("job {id} is {status}; {action} applies only to {expected} jobs")]
+    WrongStatus {
+        id: i64,
+        status: JobStatus,
+        action: &'static str,
+        expected: &'static str,
+    },
+    #[error("invalid job: {0}")]
+    Invalid(String),
+}

@@ -1,0 +1,225 @@
+//! The exec handler: one shell command per job, so almanac is useful without
+//! writing Rust.
+//!
+//! The command runs under `sh -c` in its own process group, with the payload
+//! JSON on stdin and `ALMANAC_JOB_ID`, `ALMANAC_KIND`, `ALMANAC_ATTEMPT`,
+//! `ALMANAC_IDEMPOTENCY_KEY` (and `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE`
+//! when set) in its environment. Its stdout passes through.
+//!
+//! | the command | the job |
+//! | --- | --- |
+//! | exits 0 | done |
+//! | exits 65 (`EX_DATAERR`) | dead at once |
+//! | exits otherwise, is killed by a signal, or runs past the timeout | retried with backoff, dead after `max_attempts` |
+//!
+//! The last few KiB of stderr become `last_error`. When the lease is lost, or
+//! the worker gives up on it at shutdown, the whole process group is killed.
+
+use std::fmt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+use super::{Handler, HandlerError, HandlerFuture, JobContext};
+
+/// The exit status that buries a job at once (sysexits' `EX_DATAERR`).
+pub const EXIT_PERMANENT: i32 = 65;
+const STDERR_TAIL: usize = 4096;
+
+#[derive(Debug, Clone)]
+pub struct ExecHandler {
+    command: String,
+    timeout: Option<Duration>,
+}
+
+impl ExecHandler {
+    pub fn new(command: impl Into<String>) -> Self {
+        ExecHandler {
+            command: command.into(),
+            timeout: None,
+        }
+    }
+
+    /// Kill the command and retry the job when it runs longer than this.
+    pub fn timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    async fn run(self, ctx: JobContext) -> Result<(), HandlerError> {
+        let job = &ctx.job;
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(&self.command)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::piped())
+            .env("ALMANAC_JOB_ID", job.id.to_string())
+            .env("ALMANAC_KIND", &job.kind)
+            .env("ALMANAC_ATTEMPT", job.attempts.to_string())
+            .env("ALMANAC_MAX_ATTEMPTS", job.max_attempts.to_string())
+            .env("ALMANAC_IDEMPOTENCY_KEY", job.effective_idempotency_key())
+            .process_group(0)
+            .kill_on_drop(true);
+        for (name, value) in [
+            ("ALMANAC_LOGICAL_RUN", &job.logical_run),
+            ("ALMANAC_SCHEDULE", &job.schedule),
+        ] {
+            match value {
+                Some(value) => command.env(name, value),
+                None => command.env_remove(name),
+            };
+        }
+        let mut child = command.spawn().map_err(|e| {
+            HandlerError::retry(ExecError::Spawn(e.to_string()))
+        })?;
+        let group = GroupKill(child.id());
+
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
+        // A command that never reads stdin closes the pipe: that is fine.
+        let feed = tokio::spawn(async move {
+            let _ = stdin.write_all(&payload).await;
+        });
+        let mut stderr = child.stderr.take().expect("stderr is piped");
+        let tail = tokio::spawn(async move {
+            let mut tail = Vec::new();
+            let mut buf = [0u8; 8192];
+            while let Ok(n) = stderr.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                tail.extend_from_slice(&buf[..n]);
+                if tail.len() > STDERR_TAIL {
+                    tail.drain(..tail.len() - STDERR_TAIL);
+                }
+            }
+            String::from_utf8_lossy(&tail).trim().to_string()
+        });
+
+        let timeout = async {
+            match self.timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let ended = tokio::select! {
+            status = child.wait() => Ok(status),
+            _ = ctx.cancelled() => Err(ExecError::Cancelled),
+            _ = timeout => Err(ExecError::TimedOut(self.timeout.unwrap_or_default())),
+        };
+        let status = match ended {
+            Ok(Ok(status)) => status,
+            Ok(Err(e)) => {
+                drop(group);
+                return Err(HandlerError::retry(ExecError::Spawn(e.to_string())));
+            }
+            Err(reason) => {
+                drop(group);
+                let _ = child.wait().await;
+                return Err(HandlerError::retry(reason));
+            }
+        };
+        group.disarm();
+        feed.abort();
+        let stderr = tail.await.unwrap_or_default();
+        classify(status, stderr)
+    }
+}
+
+fn classify(status: ExitStatus, stderr: String) -> Result<(), HandlerError> {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(0), _) => Ok(()),
+        (Some(EXIT_PERMANENT), _) => Err(HandlerError::permanent(ExecError::Exit {
+            code: EXIT_PERMANENT,
+            stderr,
+        })),
+        (Some(code), _) => Err(HandlerError::retry(ExecError::Exit { code, stderr })),
+        (None, signal) => Err(HandlerError::retry(ExecError::Signal {
+            signal: signal.unwrap_or(0),
+            stderr,
+        })),
+    }
+}
+
+impl Handler for ExecHandler {
+    fn call(&self, ctx: JobContext) -> HandlerFuture {
+        Box::pin(self.clone().run(ctx))
+    }
+}
+
+/// Kills the command's whole process group unless disarmed: `sh -c` may have
+/// children that a kill of `sh` alone would leave running.
+struct GroupKill(Option<u32>);
+
+impl GroupKill {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for GroupKill {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.and_then(|pid| i32::try_from(pid).ok()) {
+            // SAFETY: kill(2) with a negative pid signals the process group we
+            // created with process_group(0); it touches no memory.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum ExecError {
+    Spawn(String),
+    Exit { code: i32, stderr: String },
+    Signal { signal: i32, stderr: String },
+    TimedOut(Duration),
+    Cancelled,
+}
+
+impl fmt::Display for ExecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let with_stderr = |f: &mut fmt::Formatter<'_>, stderr: &str| {
+            if stderr.is_empty() {
+                Ok(())
+            } else {
+                write!(f, "; stderr: {stderr}")
+            }
+        };
+        match self {
+            ExecError::Spawn(e) => write!(f, "could not start the command with sh -c: {e}"),
+            ExecError::Exit { code, stderr } => {
+                write!(f, "command exited with status {code}")?;
+                with_stderr(f, stderr)
+            }
+            ExecError::Signal { signal, stderr } => {
+                write!(f, "command was killed by signal {signal}")?;
+                with_stderr(f, stderr)
+            }
+            ExecError::TimedOut(t) => write!(f, "command ran past its timeout of {t:?} and was killed"),
+            ExecError::Cancelled => {
+                write!(f, "command killed: its lease was lost or the worker shut down")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ExecError {}
+
+/// Parses `KIND=COMMAND` as given to `--handler`.
+pub fn parse_handler_spec(spec: &str) -> Result<(String, String), String> {
+    match spec.split_once('=') {
+        Some((kind, command)) if !kind.trim().is_empty() && !command.trim().is_empty() => {
+            Ok((kind.trim().to_string(), command.to_string()))
+        }
+        _ => Err(format!(
+            "`{spec}` is not KIND=COMMAND; write e.g. --handler 'send_email=./bin/send-email'"
+        )),
+    }
+}

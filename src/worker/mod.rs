@@ -1,0 +1,234 @@
+//! The worker runtime: claims jobs for its registered kinds, runs their
+//! handlers under heartbeated leases, and records each outcome through the
+//! fence.
+//!
+//! - **Slots, not batches.** At most `concurrency` handlers run at once; a
+//!   claim asks for `min(free slots, batch_size)` jobs, so a worker never holds
+//!   a lease it has no slot for.
+//! - **Leases stay alive while a handler runs.** One heartbeat loop extends all
+//!   in-flight leases in a single statement every `lease / 3`. A lease that
+//!   could not be extended is lost: the handler's [`JobContext::cancelled`]
+//!   fires and its outcome will not be recorded (the fence refuses it).
+//! - **Wake-ups.** Enqueue and retry `NOTIFY`; the worker `LISTEN`s and claims
+//!   at once. Polling every `poll_interval` is the safety net for lost
+//!   notifications and for jobs whose `run_at` arrives.
+//! - **Outcomes.** Successes are completed in batches (one statement for many
+//!   jobs); failures go through [`crate::queue::fail`] with the handler's delay
+//!   or the configured [`Backoff`]. A panicking handler counts as a retryable
+//!   failure.
+//! - **Shutdown.** When the token is cancelled the worker stops claiming, lets
+//!   running handlers finish within `shutdown_deadline`, then cancels and
+//!   aborts the rest and releases their jobs back to `ready`.
+//! - **Limit.** A crash (the process or runtime gone) records nothing: the
+//!   leases expire and the reaper returns the jobs. Handlers must therefore be
+//!   idempotent; [`JobContext::idempotency_key`] is the key to pass on.
+
+pub mod exec;
+mod runner;
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+
+use crate::queue::{Backoff, Job};
+
+pub use runner::WorkerReport;
+
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send>>;
+
+/// How an attempt failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// Try again: after `after` if given, else after the worker's backoff.
+    #[error("{source}")]
+    Retry {
+        #[source]
+        source: BoxError,
+        after: Option<Duration>,
+    },
+    /// Do not try again; the job goes to `dead` now.
+    #[error("{source}")]
+    Permanent {
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl HandlerError {
+    pub fn retry(source: impl Into<BoxError>) -> Self {
+        HandlerError::Retry {
+            source: source.into(),
+            after: None,
+        }
+    }
+
+    pub fn retry_after(source: impl Into<BoxError>, after: Duration) -> Self {
+        HandlerError::Retry {
+            source: source.into(),
+            after: Some(after),
+        }
+    }
+
+    pub fn permanent(source: impl Into<BoxError>) -> Self {
+        HandlerError::Permanent {
+            source: source.into(),
+        }
+    }
+
+    /// The whole source chain, `outer: inner: root`, as stored in `last_error`.
+    pub fn chain(&self) -> String {
+        let (HandlerError::Retry { source, .. } | HandlerError::Permanent { source }) = self;
+        let mut text = source.to_string();
+        let mut next = source.source();
+        while let Some(err) = next {
+            text.push_str(": ");
+            text.push_str(&err.to_string());
+            next = err.source();
+        }
+        text
+    }
+}
+
+/// What a handler gets: the claimed job and a signal for when to stop.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    pub job: Job,
+    cancel: CancellationToken,
+}
+
+impl JobContext {
+    pub fn new(job: Job, cancel: CancellationToken) -> Self {
+        JobContext { job, cancel }
+    }
+
+    /// Resolves when the lease is lost or the shutdown deadline has passed:
+    /// the handler should stop, since its outcome can no longer be recorded.
+    pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
+        self.cancel.cancelled()
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
+    /// The key to pass to the outside world so a re-run has no second effect.
+    pub fn idempotency_key(&self) -> String {
+        self.job.effective_idempotency_key()
+    }
+}
+
+/// A job handler. Closures `Fn(JobContext) -> impl Future<Output = Result<(), HandlerError>>`
+/// implement it.
+pub trait Handler: Send + Sync + 'static {
+    fn call(&self, ctx: JobContext) -> HandlerFuture;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(JobContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    fn call(&self, ctx: JobContext) -> HandlerFuture {
+        Box::pin(self(ctx))
+    }
+}
+
+/// Worker settings; [`WorkerConfig::default`] suits most handlers.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Most jobs one claim statement takes.
+    pub batch_size: usize,
+    /// Lease length; heartbeats renew it every third of it.
+    pub lease: Duration,
+    pub poll_interval: Duration,
+    pub shutdown_deadline: Duration,
+    pub backoff: Backoff,
+    /// LISTEN for enqueue notifications (polling alone when false).
+    pub listen: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            concurrency: 10,
+            batch_size: 10,
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            shutdown_deadline: Duration::from_secs(30),
+            backoff: Backoff::default(),
+            listen: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("invalid worker config: {0}")]
+    Config(String),
+}
+
+impl WorkerConfig {
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        let bad = |m: &str| Err(WorkerError::Config(m.to_string()));
+        if self.concurrency == 0 {
+            return bad("concurrency must be at least 1");
+        }
+        if self.batch_size == 0 {
+            return bad("batch_size must be at least 1");
+        }
+        if self.lease < Duration::from_millis(300) {
+            return bad("lease must be at least 300ms (heartbeats run every third of it)");
+        }
+        if self.poll_interval.is_zero() {
+            return bad("poll_interval must be above zero");
+        }
+        Ok(())
+    }
+}
+
+/// A worker: handlers by kind, and the settings to run them with.
+pub struct Worker {
+    pool: PgPool,
+    config: WorkerConfig,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Worker {
+    pub fn new(pool: PgPool, config: WorkerConfig) -> Self {
+        Worker {
+            pool,
+            config,
+            handlers: HashMap::new(),
+        }
+    }
+
+    /// Runs `handler` for jobs of `kind`; a second registration replaces the first.
+    pub fn register(mut self, kind: impl Into<String>, handler: impl Handler) -> Self {
+        self.handlers.insert(kind.into(), Arc::new(handler));
+        self
+    }
+
+    pub fn kinds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = self.handlers.keys().cloned().collect();
+        kinds.sort();
+        kinds
+    }
+
+    /// Runs until `shutdown` is cancelled, then shuts down as the module doc says.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<WorkerReport, WorkerError> {
+        self.config.validate()?;
+        if self.handlers.is_empty() {
+            return Err(WorkerError::Config("no handlers registered".into()));
+        }
+        Ok(runner::run(self.pool, self.config, self.handlers, shutdown).await)
+    }
+}
