@@ -1,0 +1,67 @@
+//! Helpers shared by the integration tests: polling with a deadline, an
+//! execution log table, and the URL of a `#[sqlx::test]` database.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+/// Polls `check` until it holds; panics naming `what` after `deadline`.
+pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(start.elapsed() < deadline, "timed out after {deadline:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A table where handlers record each execution, to prove exactly-once.
+pub async fn create_exec_log(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE exec_log (job_id bigint NOT NULL, attempt int NOT NULL, worker int NOT NULL DEFAULT 0,
+                                at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+pub async fn log_exec(pool: &PgPool, job_id: i64, attempt: i32, worker: i32) {
+    sqlx::query("INSERT INTO exec_log (job_id, attempt, worker) VALUES ($1, $2, $3)")
+        .bind(job_id)
+        .bind(attempt)
+        .bind(worker)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+pub async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+/// The URL of the database behind a `#[sqlx::test]` pool, for child processes.
+pub fn database_url(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set by .cargo/config.toml");
+    let options = pool.connect_options();
+    let db = options.get_database().expect("test database name");
+    let (prefix, _) = base.rsplit_once('/').expect("DATABASE_URL has a database path");
+    format!("{prefix}/{db}")
+}
+
+/// A pool of its own on the same test database.
+pub async fn another_pool(pool: &PgPool, max_connections: u32) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap()
+}
