@@ -142,7 +142,9 @@ impl FromStr for HumanDuration {
             }
             let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
             rest = &rest[digits..];
-            let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+            let unit_len = rest
+                .find(|c: char| c.is_ascii_digit())
+                .unwrap_or(rest.len());
             let unit = match &rest[..unit_len] {
                 "ms" => Duration::from_millis(1),
                 "s" => Duration::from_secs(1),
@@ -151,7 +153,9 @@ impl FromStr for HumanDuration {
                 "d" => Duration::from_secs(86_400),
                 _ => return Err(bad()),
             };
-            total += unit.checked_mul(u32::try_from(n).map_err(|_| bad())?).ok_or_else(bad)?;
+            total += unit
+                .checked_mul(u32::try_from(n).map_err(|_| bad())?)
+                .ok_or_else(bad)?;
             rest = &rest[unit_len..];
         }
         Ok(HumanDuration(total))
@@ -199,14 +203,21 @@ mod tests {
     #[test]
     fn unknown_key_names_file_line_and_key() {
         let text = "database_url = \"postgres://x\"\n\n[worker]\nconcurency = 4\n";
-        let err = Config::parse(Path::new("almanac.toml"), text).unwrap_err().to_string();
-        assert!(err.starts_with("almanac.toml:4:1: unknown field `concurency`"), "{err}");
+        let err = Config::parse(Path::new("almanac.toml"), text)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("almanac.toml:4:1: unknown field `concurency`"),
+            "{err}"
+        );
     }
 
     #[test]
     fn bad_duration_in_file_is_reported_at_its_line() {
         let text = "[reaper]\ninterval = \"soon\"\n";
-        let err = Config::parse(Path::new("a.toml"), text).unwrap_err().to_string();
+        let err = Config::parse(Path::new("a.toml"), text)
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("a.toml:2:"), "{err}");
         assert!(err.contains("`soon` is not a duration"), "{err}");
     }

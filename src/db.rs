@@ -64,7 +64,7 @@ pub enum DbError {
     Migrate {
         target: Target,
         #[source]
-        source: sqlx::migrate::MigrateError,
+        source: Box<sqlx::migrate::MigrateError>,
     },
 }
 
@@ -112,13 +112,10 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
 }
 
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
-    MIGRATOR
-        .run(pool)
-        .await
-        .map_err(|source| DbError::Migrate {
-            target: Target::of(&pool.connect_options()),
-            source,
-        })
+    MIGRATOR.run(pool).await.map_err(|source| DbError::Migrate {
+        target: Target::of(&pool.connect_options()),
+        source: Box::new(source),
+    })
 }
 
 async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<(), DbError> {
@@ -175,6 +172,9 @@ mod tests {
     fn target_names_host_database_and_user_only() {
         let options = parse_url("postgres://app:hunter2@db.internal:6543/orders").unwrap();
         let text = Target::of(&options).to_string();
-        assert_eq!(text, "database \"orders\" on db.internal:6543 as user \"app\"");
+        assert_eq!(
+            text,
+            "database \"orders\" on db.internal:6543 as user \"app\""
+        );
     }
 }

@@ -17,7 +17,16 @@ fn kinds(k: &str) -> Vec<String> {
 }
 
 async fn claim_one(pool: &PgPool, kind: &str, lease: Duration) -> queue::Job {
-    let jobs = queue::claim(pool, &Claim { kinds: &kinds(kind), limit: 1, lease }).await.unwrap();
+    let jobs = queue::claim(
+        pool,
+        &Claim {
+            kinds: &kinds(kind),
+            limit: 1,
+            lease,
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(jobs.len(), 1, "expected one claimable {kind} job");
     jobs.into_iter().next().unwrap()
 }
@@ -33,20 +42,45 @@ async fn lease_expired(pool: &PgPool, id: i64) -> bool {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_stale_lease_token_changes_nothing_and_reports_the_loss(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let id = queue::enqueue(&mut conn, &NewJob::new("mail")).await.unwrap().id();
+    let id = queue::enqueue(&mut conn, &NewJob::new("mail"))
+        .await
+        .unwrap()
+        .id();
 
     // A token that never held the lease.
     let first = claim_one(&pool, "mail", Duration::from_millis(400)).await;
     let (_, token1) = first.lease().unwrap();
-    assert_eq!(queue::complete(&pool, id, Uuid::new_v4()).await.unwrap(), Fenced::Lost);
-    let fail = Failure::Permanent { error: "stale".into() };
-    assert_eq!(queue::fail(&pool, id, Uuid::new_v4(), &fail).await.unwrap(), Fenced::Lost);
-    assert_eq!(queue::get(&pool, id).await.unwrap().status, JobStatus::Running);
+    assert_eq!(
+        queue::complete(&pool, id, Uuid::new_v4()).await.unwrap(),
+        Fenced::Lost
+    );
+    let fail = Failure::Permanent {
+        error: "stale".into(),
+    };
+    assert_eq!(
+        queue::fail(&pool, id, Uuid::new_v4(), &fail).await.unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().status,
+        JobStatus::Running
+    );
 
     // The lease expires: the rightful token can no longer complete either.
-    eventually("the lease to expire", Duration::from_secs(10), || lease_expired(&pool, id)).await;
-    assert_eq!(queue::complete(&pool, id, token1).await.unwrap(), Fenced::Lost);
-    assert_eq!(queue::heartbeat_many(&pool, &[(id, token1)], Duration::from_secs(30)).await.unwrap(), Vec::<i64>::new());
+    eventually("the lease to expire", Duration::from_secs(10), || {
+        lease_expired(&pool, id)
+    })
+    .await;
+    assert_eq!(
+        queue::complete(&pool, id, token1).await.unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        queue::heartbeat_many(&pool, &[(id, token1)], Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Vec::<i64>::new()
+    );
 
     // The reaper hands it back; a second claim gets a new token; the first
     // worker, coming back late, cannot overwrite the second attempt.
@@ -56,12 +90,24 @@ async fn a_stale_lease_token_changes_nothing_and_reports_the_loss(pool: PgPool) 
     let (_, token2) = second.lease().unwrap();
     assert_ne!(token1, token2);
     assert_eq!(second.attempts, 2);
-    assert_eq!(queue::complete(&pool, id, token1).await.unwrap(), Fenced::Lost);
-    assert_eq!(queue::fail(&pool, id, token1, &fail).await.unwrap(), Fenced::Lost);
+    assert_eq!(
+        queue::complete(&pool, id, token1).await.unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        queue::fail(&pool, id, token1, &fail).await.unwrap(),
+        Fenced::Lost
+    );
     let job = queue::get(&pool, id).await.unwrap();
-    assert_eq!((job.status, job.lease_token), (JobStatus::Running, Some(token2)));
+    assert_eq!(
+        (job.status, job.lease_token),
+        (JobStatus::Running, Some(token2))
+    );
 
-    assert_eq!(queue::complete(&pool, id, token2).await.unwrap(), Fenced::Held(()));
+    assert_eq!(
+        queue::complete(&pool, id, token2).await.unwrap(),
+        Fenced::Held(())
+    );
     let job = queue::get(&pool, id).await.unwrap();
     assert_eq!(job.status, JobStatus::Done);
     assert!(job.finished_at.is_some() && job.lease_token.is_none());
@@ -70,16 +116,28 @@ async fn a_stale_lease_token_changes_nothing_and_reports_the_loss(pool: PgPool) 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn retryable_failures_back_off_longer_each_time_then_bury_with_last_error(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let id = queue::enqueue(&mut conn, &NewJob::new("sync").max_attempts(3)).await.unwrap().id();
+    let id = queue::enqueue(&mut conn, &NewJob::new("sync").max_attempts(3))
+        .await
+        .unwrap()
+        .id();
     let backoff = queue::Backoff::default();
     let mut delays = Vec::new();
     for attempt in 1..=3 {
         // Make it due again without waiting out the backoff.
-        sqlx::query("UPDATE almanac.jobs SET run_at = now() WHERE id = $1").bind(id).execute(&pool).await.unwrap();
+        sqlx::query("UPDATE almanac.jobs SET run_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(&pool)
+            .await
+            .unwrap();
         let job = claim_one(&pool, "sync", Duration::from_secs(30)).await;
         assert_eq!(job.attempts, attempt);
-        let failure = Failure::Retry { delay: backoff.delay(attempt), error: format!("upstream 503 on attempt {attempt}") };
-        let status = queue::fail(&pool, id, job.lease_token.unwrap(), &failure).await.unwrap();
+        let failure = Failure::Retry {
+            delay: backoff.delay(attempt),
+            error: format!("upstream 503 on attempt {attempt}"),
+        };
+        let status = queue::fail(&pool, id, job.lease_token.unwrap(), &failure)
+            .await
+            .unwrap();
         let job = queue::get(&pool, id).await.unwrap();
         if attempt < 3 {
             assert_eq!(status, Fenced::Held(JobStatus::Ready));
@@ -93,33 +151,70 @@ async fn retryable_failures_back_off_longer_each_time_then_bury_with_last_error(
         }
     }
     assert!(delays[1] > delays[0], "delays must grow: {delays:?}");
-    assert!(delays[0] > 0.5, "the first retry waits about a second: {delays:?}");
+    assert!(
+        delays[0] > 0.5,
+        "the first retry waits about a second: {delays:?}"
+    );
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_permanent_failure_buries_the_job_at_once(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let id = queue::enqueue(&mut conn, &NewJob::new("parse")).await.unwrap().id();
+    let id = queue::enqueue(&mut conn, &NewJob::new("parse"))
+        .await
+        .unwrap()
+        .id();
     let job = claim_one(&pool, "parse", Duration::from_secs(30)).await;
-    let status = queue::fail(&pool, id, job.lease_token.unwrap(), &Failure::Permanent { error: "bad input".into() }).await.unwrap();
+    let status = queue::fail(
+        &pool,
+        id,
+        job.lease_token.unwrap(),
+        &Failure::Permanent {
+            error: "bad input".into(),
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(status, Fenced::Held(JobStatus::Dead));
     let job = queue::get(&pool, id).await.unwrap();
-    assert_eq!((job.attempts, job.last_error.as_deref()), (1, Some("bad input")));
+    assert_eq!(
+        (job.attempts, job.last_error.as_deref()),
+        (1, Some("bad input"))
+    );
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn an_enqueue_rolled_back_with_its_transaction_never_exists(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query("CREATE TABLE orders (id int)").execute(&mut *tx).await.unwrap();
-    queue::enqueue(&mut tx, &NewJob::new("ship").idempotency_key("order:1")).await.unwrap();
+    sqlx::query("CREATE TABLE orders (id int)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    queue::enqueue(&mut tx, &NewJob::new("ship").idempotency_key("order:1"))
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
-    assert_eq!(common::count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
-    let none = queue::claim(&pool, &Claim { kinds: &kinds("ship"), limit: 10, lease: Duration::from_secs(30) }).await.unwrap();
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        0
+    );
+    let none = queue::claim(
+        &pool,
+        &Claim {
+            kinds: &kinds("ship"),
+            limit: 10,
+            lease: Duration::from_secs(30),
+        },
+    )
+    .await
+    .unwrap();
     assert!(none.is_empty());
 
     // Committed with the business row, it exists exactly once.
     let mut tx = pool.begin().await.unwrap();
-    let id = queue::enqueue(&mut tx, &NewJob::new("ship").idempotency_key("order:1")).await.unwrap();
+    let id = queue::enqueue(&mut tx, &NewJob::new("ship").idempotency_key("order:1"))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert!(matches!(id, Enqueued::New(_)));
 }
@@ -127,9 +222,13 @@ async fn an_enqueue_rolled_back_with_its_transaction_never_exists(pool: PgPool) 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_duplicate_idempotency_key_reports_the_existing_job_and_adds_no_row(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let job = NewJob::new("invoice").payload(json!({"n": 1})).idempotency_key("invoice:2026-11");
+    let job = NewJob::new("invoice")
+        .payload(json!({"n": 1}))
+        .idempotency_key("invoice:2026-11");
     let first = queue::enqueue(&mut conn, &job).await.unwrap();
-    let again = queue::enqueue(&mut conn, &job.clone().payload(json!({"n": 2}))).await.unwrap();
+    let again = queue::enqueue(&mut conn, &job.clone().payload(json!({"n": 2})))
+        .await
+        .unwrap();
     assert!(matches!(first, Enqueued::New(_)));
     assert_eq!(again, Enqueued::Existing(first.id()));
 
@@ -149,47 +248,106 @@ async fn a_duplicate_idempotency_key_reports_the_existing_job_and_adds_no_row(po
         let payload = queue::get(&pool, out[i].id()).await.unwrap().payload;
         assert_eq!(payload, json!({"i": n}));
     }
-    assert_eq!(common::count(&pool, "SELECT count(*) FROM almanac.jobs").await, 4);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        4
+    );
     let stored = queue::get(&pool, first.id()).await.unwrap();
-    assert_eq!(stored.payload, json!({"n": 1}), "a duplicate never overwrites");
+    assert_eq!(
+        stored.payload,
+        json!({"n": 1}),
+        "a duplicate never overwrites"
+    );
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn the_reaper_buries_an_expired_job_whose_attempts_are_used_up(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let retry = queue::enqueue(&mut conn, &NewJob::new("r").max_attempts(2)).await.unwrap().id();
-    let last = queue::enqueue(&mut conn, &NewJob::new("r").max_attempts(1)).await.unwrap().id();
-    let claimed = queue::claim(&pool, &Claim { kinds: &kinds("r"), limit: 5, lease: Duration::from_millis(300) }).await.unwrap();
+    let retry = queue::enqueue(&mut conn, &NewJob::new("r").max_attempts(2))
+        .await
+        .unwrap()
+        .id();
+    let last = queue::enqueue(&mut conn, &NewJob::new("r").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    let claimed = queue::claim(
+        &pool,
+        &Claim {
+            kinds: &kinds("r"),
+            limit: 5,
+            lease: Duration::from_millis(300),
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(claimed.len(), 2);
     for id in [retry, last] {
-        eventually("leases to expire", Duration::from_secs(10), || lease_expired(&pool, id)).await;
+        eventually("leases to expire", Duration::from_secs(10), || {
+            lease_expired(&pool, id)
+        })
+        .await;
     }
-    let reaper = Reaper::new(pool.clone(), ReaperConfig { interval: Duration::from_secs(1), batch_size: 1 });
+    let reaper = Reaper::new(
+        pool.clone(),
+        ReaperConfig {
+            interval: Duration::from_secs(1),
+            batch_size: 1,
+        },
+    );
     let report = reaper.run_once().await.unwrap();
     assert_eq!((report.requeued, report.buried), (1, 1));
-    assert_eq!(queue::get(&pool, retry).await.unwrap().status, JobStatus::Ready);
+    assert_eq!(
+        queue::get(&pool, retry).await.unwrap().status,
+        JobStatus::Ready
+    );
     let dead = queue::get(&pool, last).await.unwrap();
     assert_eq!(dead.status, JobStatus::Dead);
-    assert!(dead.last_error.unwrap().contains("lease expired during attempt 1 of 1"));
+    assert!(dead
+        .last_error
+        .unwrap()
+        .contains("lease expired during attempt 1 of 1"));
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn operators_retry_dead_jobs_and_cancel_ready_ones_and_are_told_otherwise(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let id = queue::enqueue(&mut conn, &NewJob::new("x").max_attempts(1)).await.unwrap().id();
+    let id = queue::enqueue(&mut conn, &NewJob::new("x").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
     let err = queue::retry(&mut conn, id).await.unwrap_err();
-    assert_eq!(err.to_string(), format!("job {id} is ready; retry applies only to dead jobs"));
+    assert_eq!(
+        err.to_string(),
+        format!("job {id} is ready; retry applies only to dead jobs")
+    );
 
     let job = claim_one(&pool, "x", Duration::from_secs(30)).await;
     let err = queue::cancel(&mut conn, id).await.unwrap_err();
-    assert_eq!(err.to_string(), format!("job {id} is running; cancel applies only to ready jobs"));
-    queue::fail(&pool, id, job.lease_token.unwrap(), &Failure::Retry { delay: Duration::ZERO, error: "e".into() }).await.unwrap();
+    assert_eq!(
+        err.to_string(),
+        format!("job {id} is running; cancel applies only to ready jobs")
+    );
+    queue::fail(
+        &pool,
+        id,
+        job.lease_token.unwrap(),
+        &Failure::Retry {
+            delay: Duration::ZERO,
+            error: "e".into(),
+        },
+    )
+    .await
+    .unwrap();
 
     let retried = queue::retry(&mut conn, id).await.unwrap();
     assert_eq!((retried.status, retried.attempts), (JobStatus::Ready, 0));
     let cancelled = queue::cancel(&mut conn, id).await.unwrap();
     assert_eq!(cancelled.status, JobStatus::Dead);
-    assert!(matches!(queue::get(&pool, 987_654).await, Err(QueueError::NotFound(987_654))));
+    assert!(matches!(
+        queue::get(&pool, 987_654).await,
+        Err(QueueError::NotFound(987_654))
+    ));
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -199,10 +357,23 @@ async fn stats_count_by_kind_and_status_and_see_expired_leases(pool: PgPool) {
         queue::enqueue(&mut conn, &NewJob::new(kind)).await.unwrap();
     }
     let job = claim_one(&pool, "b", Duration::from_millis(300)).await;
-    eventually("the lease to expire", Duration::from_secs(10), || lease_expired(&pool, job.id)).await;
+    eventually("the lease to expire", Duration::from_secs(10), || {
+        lease_expired(&pool, job.id)
+    })
+    .await;
     let stats = queue::stats(&mut conn).await.unwrap();
-    let counts: Vec<(String, JobStatus, i64)> = stats.by_kind_status.iter().map(|c| (c.kind.clone(), c.status, c.count)).collect();
-    assert_eq!(counts, vec![("a".into(), JobStatus::Ready, 2), ("b".into(), JobStatus::Running, 1)]);
+    let counts: Vec<(String, JobStatus, i64)> = stats
+        .by_kind_status
+        .iter()
+        .map(|c| (c.kind.clone(), c.status, c.count))
+        .collect();
+    assert_eq!(
+        counts,
+        vec![
+            ("a".into(), JobStatus::Ready, 2),
+            ("b".into(), JobStatus::Running, 1)
+        ]
+    );
     assert_eq!(stats.expired_leases, 1);
     assert!(stats.oldest_due_ready_seconds >= 0.0);
 }

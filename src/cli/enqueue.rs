@@ -25,13 +25,17 @@ pub struct Args {
 }
 
 pub fn parse_json(s: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(s).map_err(|e| format!("not valid JSON ({e}); quote it for the shell, e.g. --payload '{{\"id\": 42}}'"))
+    serde_json::from_str(s).map_err(|e| {
+        format!("not valid JSON ({e}); quote it for the shell, e.g. --payload '{{\"id\": 42}}'")
+    })
 }
 
 pub fn parse_instant(s: &str) -> Result<DateTime<Utc>, String> {
     DateTime::parse_from_rfc3339(s)
         .map(|t| t.with_timezone(&Utc))
-        .map_err(|e| format!("`{s}` is not an RFC 3339 instant ({e}); write e.g. 2026-12-01T09:00:00Z"))
+        .map_err(|e| {
+            format!("`{s}` is not an RFC 3339 instant ({e}); write e.g. 2026-12-01T09:00:00Z")
+        })
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
@@ -41,7 +45,9 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     job.max_attempts = args.max_attempts;
     job.idempotency_key = args.key.clone();
     let mut conn = pool.acquire().await?;
-    let enqueued = queue::enqueue(&mut conn, &job).await.context("enqueue failed")?;
+    let enqueued = queue::enqueue(&mut conn, &job)
+        .await
+        .context("enqueue failed")?;
     println!("{}", enqueued.id());
     if let Enqueued::Existing(id) = enqueued {
         eprintln!(

@@ -46,7 +46,15 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             limit,
             json,
         } => {
-            let jobs = queue::list(&pool, &JobFilter { status, kind, limit }).await?;
+            let jobs = queue::list(
+                &pool,
+                &JobFilter {
+                    status,
+                    kind,
+                    limit,
+                },
+            )
+            .await?;
             if json {
                 for job in &jobs {
                     println!("{}", serde_json::to_string(job)?);
@@ -65,21 +73,36 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         }
         JobsCommand::Retry { id } => {
             let job = queue::retry(&mut *pool.acquire().await?, id).await?;
-            println!("job {} ({}) is ready again with {} attempts", job.id, job.kind, job.max_attempts);
+            println!(
+                "job {} ({}) is ready again with {} attempts",
+                job.id, job.kind, job.max_attempts
+            );
         }
         JobsCommand::Cancel { id } => {
             let job = queue::cancel(&mut *pool.acquire().await?, id).await?;
-            println!("job {} ({}) cancelled; it is dead and will not run", job.id, job.kind);
+            println!(
+                "job {} ({}) cancelled; it is dead and will not run",
+                job.id, job.kind
+            );
         }
     }
     Ok(())
 }
 
 fn print_table(jobs: &[Job]) {
-    println!("{:>10}  {:<20} {:<8} {:>8}  {:<25} LAST ERROR", "ID", "KIND", "STATUS", "ATTEMPTS", "RUN AT");
+    println!(
+        "{:>10}  {:<20} {:<8} {:>8}  {:<25} LAST ERROR",
+        "ID", "KIND", "STATUS", "ATTEMPTS", "RUN AT"
+    );
     for job in jobs {
         let error = job.last_error.as_deref().unwrap_or("");
-        let error: String = error.lines().next().unwrap_or("").chars().take(60).collect();
+        let error: String = error
+            .lines()
+            .next()
+            .unwrap_or("")
+            .chars()
+            .take(60)
+            .collect();
         println!(
             "{:>10}  {:<20} {:<8} {:>8}  {:<25} {}",
             job.id,

@@ -20,7 +20,11 @@ use crate::config::{Config, LogFormat, DEFAULT_DATABASE_URL};
 use crate::db;
 
 #[derive(Debug, Parser)]
-#[command(name = "almanac", version, about = "Scheduler and outbox relay on PostgreSQL")]
+#[command(
+    name = "almanac",
+    version,
+    about = "Scheduler and outbox relay on PostgreSQL"
+)]
 pub struct Cli {
     /// PostgreSQL URL; the database is created when missing.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
@@ -89,7 +93,11 @@ pub async fn main() -> ExitCode {
             return report(anyhow::Error::new(err));
         }
     };
-    init_logging(cli.log_format.or(config.log_format).unwrap_or(LogFormat::Human));
+    init_logging(
+        cli.log_format
+            .or(config.log_format)
+            .unwrap_or(LogFormat::Human),
+    );
     let database_url = cli
         .database_url
         .clone()

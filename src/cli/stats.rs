@@ -25,7 +25,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         println!("(no jobs)");
     }
     println!();
-    println!("oldest due ready job:   {:.1}s waiting", stats.oldest_due_ready_seconds);
+    println!(
+        "oldest due ready job:   {:.1}s waiting",
+        stats.oldest_due_ready_seconds
+    );
     println!("expired leases:         {}", stats.expired_leases);
     println!("dead jobs:              {}", stats.dead);
     Ok(())

@@ -49,11 +49,25 @@ impl WorkerFlags {
             flag.or(file).map_or(default, |d| d.0)
         };
         let config = WorkerConfig {
-            concurrency: self.concurrency.or(file.concurrency).unwrap_or(defaults.concurrency),
-            batch_size: self.batch_size.or(file.batch_size).unwrap_or(defaults.batch_size),
+            concurrency: self
+                .concurrency
+                .or(file.concurrency)
+                .unwrap_or(defaults.concurrency),
+            batch_size: self
+                .batch_size
+                .or(file.batch_size)
+                .unwrap_or(defaults.batch_size),
             lease: pick(self.lease, file.lease, defaults.lease),
-            poll_interval: pick(self.poll_interval, file.poll_interval, defaults.poll_interval),
-            shutdown_deadline: pick(self.shutdown_deadline, file.shutdown_deadline, defaults.shutdown_deadline),
+            poll_interval: pick(
+                self.poll_interval,
+                file.poll_interval,
+                defaults.poll_interval,
+            ),
+            shutdown_deadline: pick(
+                self.shutdown_deadline,
+                file.shutdown_deadline,
+                defaults.shutdown_deadline,
+            ),
             ..defaults
         };
         config.validate()?;
@@ -71,7 +85,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let mut kinds: Vec<&str> = args.handlers.iter().map(|(k, _)| k.as_str()).collect();
     kinds.sort_unstable();
     if let Some(pair) = kinds.windows(2).find(|w| w[0] == w[1]) {
-        bail!("--handler names kind `{}` twice; give each kind one command", pair[0]);
+        bail!(
+            "--handler names kind `{}` twice; give each kind one command",
+            pair[0]
+        );
     }
     let pool = ctx.migrated_pool(4).await?;
     let mut worker = Worker::new(pool, config);

@@ -64,7 +64,11 @@ impl Reaper {
             }
             match self.run_once().await {
                 Ok(r) if r.requeued + r.buried > 0 => {
-                    info!(requeued = r.requeued, buried = r.buried, "reaped expired leases")
+                    info!(
+                        requeued = r.requeued,
+                        buried = r.buried,
+                        "reaped expired leases"
+                    )
                 }
                 Ok(_) => {}
                 Err(err) => warn!(%err, "reaper sweep failed; next sweep retries"),

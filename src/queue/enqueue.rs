@@ -171,12 +171,14 @@ pub async fn enqueue_many(
     let existing: HashMap<String, i64> = if missing.is_empty() {
         HashMap::new()
     } else {
-        sqlx::query_as("SELECT idempotency_key, id FROM almanac.jobs WHERE idempotency_key = ANY($1)")
-            .bind(&missing)
-            .fetch_all(&mut *conn)
-            .await?
-            .into_iter()
-            .collect()
+        sqlx::query_as(
+            "SELECT idempotency_key, id FROM almanac.jobs WHERE idempotency_key = ANY($1)",
+        )
+        .bind(&missing)
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .collect()
     };
 
     let mut seen = HashSet::new();

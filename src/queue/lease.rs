@@ -79,7 +79,11 @@ pub async fn complete<'e>(
     token: Uuid,
 ) -> Result<Fenced<()>, QueueError> {
     let done = complete_many(db, &[(id, token)]).await?;
-    Ok(if done.is_empty() { Fenced::Lost } else { Fenced::Held(()) })
+    Ok(if done.is_empty() {
+        Fenced::Lost
+    } else {
+        Fenced::Held(())
+    })
 }
 
 /// Marks a batch done in one statement; returns the ids whose lease was held.
@@ -229,7 +233,10 @@ pub struct ReapReport {
 
 /// Takes back at most `limit` expired leases in one short statement; rows
 /// another reaper holds are skipped.
-pub async fn reap_expired<'e>(db: impl PgExecutor<'e>, limit: i64) -> Result<ReapReport, QueueError> {
+pub async fn reap_expired<'e>(
+    db: impl PgExecutor<'e>,
+    limit: i64,
+) -> Result<ReapReport, QueueError> {
     let rows: Vec<(JobStatus,)> = sqlx::query_as(
         r#"
         WITH expired AS (

@@ -84,7 +84,9 @@ impl std::str::FromStr for JobStatus {
         Self::ALL
             .into_iter()
             .find(|status| status.as_str() == s)
-            .ok_or_else(|| format!("unknown status `{s}`; expected one of ready, running, done, dead"))
+            .ok_or_else(|| {
+                format!("unknown status `{s}`; expected one of ready, running, done, dead")
+            })
     }
 }
 

@@ -73,9 +73,9 @@ impl ExecHandler {
                 None => command.env_remove(name),
             };
         }
-        let mut child = command.spawn().map_err(|e| {
-            HandlerError::retry(ExecError::Spawn(e.to_string()))
-        })?;
+        let mut child = command
+            .spawn()
+            .map_err(|e| HandlerError::retry(ExecError::Spawn(e.to_string())))?;
         let group = GroupKill(child.id());
 
         let mut stdin = child.stdin.take().expect("stdin is piped");
@@ -202,9 +202,14 @@ impl fmt::Display for ExecError {
                 write!(f, "command was killed by signal {signal}")?;
                 with_stderr(f, stderr)
             }
-            ExecError::TimedOut(t) => write!(f, "command ran past its timeout of {t:?} and was killed"),
+            ExecError::TimedOut(t) => {
+                write!(f, "command ran past its timeout of {t:?} and was killed")
+            }
             ExecError::Cancelled => {
-                write!(f, "command killed: its lease was lost or the worker shut down")
+                write!(
+                    f,
+                    "command killed: its lease was lost or the worker shut down"
+                )
             }
         }
     }

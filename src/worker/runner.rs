@@ -110,7 +110,12 @@ pub(super) async fn run(
     let aux_stop = CancellationToken::new();
     let mut aux = JoinSet::new();
     if shared.config.listen {
-        aux.spawn(listen(shared.pool.clone(), kinds.clone(), wake.clone(), aux_stop.clone()));
+        aux.spawn(listen(
+            shared.pool.clone(),
+            kinds.clone(),
+            wake.clone(),
+            aux_stop.clone(),
+        ));
     }
     aux.spawn(heartbeat(shared.clone(), aux_stop.clone()));
     let (outcomes, outcome_rx) = mpsc::unbounded_channel();
@@ -155,7 +160,10 @@ pub(super) async fn run(
         };
         let filled = jobs.len() == free;
         for job in jobs {
-            let slot = slots.clone().try_acquire_owned().expect("a free slot per claimed job");
+            let slot = slots
+                .clone()
+                .try_acquire_owned()
+                .expect("a free slot per claimed job");
             let token = job.lease_token.expect("a claimed job holds a lease");
             let cancel = CancellationToken::new();
             shared.inflight.lock().expect("inflight lock").insert(
@@ -202,12 +210,23 @@ pub(super) async fn run(
     let _ = recorder.await;
     let left = shared.leases();
     if !left.is_empty() {
-        match queue::release(&shared.pool, &left, "released at worker shutdown before the handler finished").await {
+        match queue::release(
+            &shared.pool,
+            &left,
+            "released at worker shutdown before the handler finished",
+        )
+        .await
+        {
             Ok(ids) => {
                 Counters::add(&shared.counters.released, ids.len() as u64);
-                info!(released = ids.len(), "released unfinished jobs back to ready");
+                info!(
+                    released = ids.len(),
+                    "released unfinished jobs back to ready"
+                );
             }
-            Err(err) => error!(%err, jobs = left.len(), "could not release unfinished jobs; the reaper will take them back when their leases expire"),
+            Err(err) => {
+                error!(%err, jobs = left.len(), "could not release unfinished jobs; the reaper will take them back when their leases expire")
+            }
         }
     }
     aux_stop.cancel();
@@ -224,11 +243,18 @@ async fn drain(shared: &Shared, running: &mut JoinSet<()>) {
         return;
     }
     let deadline = shared.config.shutdown_deadline;
-    info!(running = running.len(), deadline_ms = deadline.as_millis() as u64, "stopping: waiting for running handlers");
+    info!(
+        running = running.len(),
+        deadline_ms = deadline.as_millis() as u64,
+        "stopping: waiting for running handlers"
+    );
     if wait_all(running, deadline).await {
         return;
     }
-    warn!(running = running.len(), "shutdown deadline passed; cancelling handlers");
+    warn!(
+        running = running.len(),
+        "shutdown deadline passed; cancelling handlers"
+    );
     for flight in shared.inflight.lock().expect("inflight lock").values() {
         flight.cancel.cancel();
     }
@@ -239,9 +265,11 @@ async fn drain(shared: &Shared, running: &mut JoinSet<()>) {
 }
 
 async fn wait_all(running: &mut JoinSet<()>, within: Duration) -> bool {
-    tokio::time::timeout(within, async { while running.join_next().await.is_some() {} })
-        .await
-        .is_ok()
+    tokio::time::timeout(within, async {
+        while running.join_next().await.is_some() {}
+    })
+    .await
+    .is_ok()
 }
 
 /// Records outcomes, many successes per statement.
@@ -274,7 +302,10 @@ async fn record_done(shared: &Shared, done: &[Outcome]) {
         let held: HashSet<i64> = held.into_iter().collect();
         for (id, _) in leases.iter().filter(|(id, _)| !held.contains(id)) {
             Counters::add(&shared.counters.lost, 1);
-            warn!(job_id = id, "handler succeeded but the lease was lost first; the job will run again");
+            warn!(
+                job_id = id,
+                "handler succeeded but the lease was lost first; the job will run again"
+            );
         }
     }
 }
@@ -288,7 +319,10 @@ async fn record_failure(shared: &Shared, outcome: &Outcome) {
             error: err.chain(),
         },
     };
-    let recorded = with_retries("fail", || queue::fail(&shared.pool, outcome.id, outcome.token, &failure)).await;
+    let recorded = with_retries("fail", || {
+        queue::fail(&shared.pool, outcome.id, outcome.token, &failure)
+    })
+    .await;
     match recorded {
         Some(Fenced::Held(JobStatus::Dead)) => {
             Counters::add(&shared.counters.dead, 1);
@@ -300,7 +334,10 @@ async fn record_failure(shared: &Shared, outcome: &Outcome) {
         }
         Some(Fenced::Lost) => {
             Counters::add(&shared.counters.lost, 1);
-            warn!(job_id = outcome.id, "handler failed after its lease was lost; outcome not recorded");
+            warn!(
+                job_id = outcome.id,
+                "handler failed after its lease was lost; outcome not recorded"
+            );
         }
         None => {}
     }

@@ -18,7 +18,10 @@ where
         if check().await {
             return;
         }
-        assert!(start.elapsed() < deadline, "timed out after {deadline:?} waiting for {what}");
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -53,7 +56,9 @@ pub fn database_url(pool: &PgPool) -> String {
     let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set by .cargo/config.toml");
     let options = pool.connect_options();
     let db = options.get_database().expect("test database name");
-    let (prefix, _) = base.rsplit_once('/').expect("DATABASE_URL has a database path");
+    let (prefix, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL has a database path");
     format!("{prefix}/{db}")
 }
 

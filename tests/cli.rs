@@ -1,0 +1,187 @@
+//! The `almanac` binary as a person uses it: what it prints, its exit codes,
+//! and that bad input writes nothing.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use almanac::queue::{self, JobStatus};
+use common::{count, eventually};
+use sqlx::PgPool;
+
+fn almanac(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("ALMANAC_CONFIG")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).trim().to_string()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn enqueue_prints_the_id_and_reports_duplicates_without_failing(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let first = almanac(
+        &url,
+        &[
+            "enqueue",
+            "mail",
+            "--payload",
+            r#"{"to": "a@b.c"}"#,
+            "--key",
+            "welcome:7",
+            "--max-attempts",
+            "3",
+        ],
+    );
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let id: i64 = text(&first.stdout).parse().unwrap();
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(
+        (
+            job.kind.as_str(),
+            job.max_attempts,
+            job.payload["to"].as_str()
+        ),
+        ("mail", 3, Some("a@b.c"))
+    );
+
+    let again = almanac(&url, &["enqueue", "mail", "--key", "welcome:7"]);
+    assert!(again.status.success());
+    assert_eq!(text(&again.stdout), id.to_string());
+    assert_eq!(
+        text(&again.stderr),
+        format!(
+            "a job with idempotency key `welcome:7` already exists (id {id}); nothing was enqueued"
+        )
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 1);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn bad_input_is_refused_with_a_clear_message_and_writes_nothing(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let bad_json = almanac(&url, &["enqueue", "mail", "--payload", "{to: 1}"]);
+    assert_eq!(bad_json.status.code(), Some(2));
+    assert!(
+        text(&bad_json.stderr)
+            .contains("invalid value '{to: 1}' for '--payload <PAYLOAD>': not valid JSON"),
+        "{}",
+        text(&bad_json.stderr)
+    );
+
+    let bad_time = almanac(&url, &["enqueue", "mail", "--run-at", "tomorrow"]);
+    assert_eq!(bad_time.status.code(), Some(2));
+    assert!(text(&bad_time.stderr).contains("`tomorrow` is not an RFC 3339 instant"));
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
+
+    let unknown = almanac(&url, &["jobs", "show", "424242"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(text(&unknown.stderr), "error: no job with id 424242");
+
+    let id = text(&almanac(&url, &["enqueue", "mail"]).stdout);
+    let not_dead = almanac(&url, &["jobs", "retry", &id]);
+    assert_eq!(not_dead.status.code(), Some(1));
+    assert_eq!(
+        text(&not_dead.stderr),
+        format!("error: job {id} is ready; retry applies only to dead jobs")
+    );
+    let cancelled = almanac(&url, &["jobs", "cancel", &id]);
+    assert!(cancelled.status.success());
+    assert_eq!(
+        queue::get(&pool, id.parse().unwrap()).await.unwrap().status,
+        JobStatus::Dead
+    );
+}
+
+#[test]
+fn an_unreachable_database_is_named_without_its_password() {
+    let out = almanac("postgres://app:s3cr3t-pw@127.0.0.1:1/orders", &["stats"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.starts_with(
+            "error: cannot connect to database \"orders\" on 127.0.0.1:1 as user \"app\""
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("s3cr3t-pw"), "{err}");
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn stats_and_list_show_the_queue(pool: PgPool) {
+    let url = common::database_url(&pool);
+    for kind in ["mail", "mail", "sms"] {
+        assert!(almanac(&url, &["enqueue", kind]).status.success());
+    }
+    let stats = almanac(&url, &["stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(
+        stats["by_kind_status"][0],
+        serde_json::json!({"kind": "mail", "status": "ready", "count": 2})
+    );
+    let list = almanac(&url, &["jobs", "list", "--kind", "sms", "--json"]);
+    let lines: Vec<serde_json::Value> = text(&list.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["kind"], "sms");
+    assert!(
+        lines[0].get("lease_token").is_none(),
+        "the lease token is never printed"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let dir = std::env::temp_dir().join(format!("almanac-cli-work-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("seen");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args([
+            "work",
+            "--handler",
+            &format!("greet=cat >> {}; echo >> {}", log.display(), log.display()),
+            "--concurrency",
+            "2",
+        ])
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    for i in 0..5 {
+        let out = almanac(
+            &url,
+            &["enqueue", "greet", "--payload", &format!(r#"{{"i":{i}}}"#)],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    eventually("five greetings", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == 5
+    })
+    .await;
+    let seen = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(seen.lines().count(), 5);
+    // SAFETY: sends SIGTERM to the child we spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}

@@ -1,0 +1,397 @@
+//! The worker runtime against a real PostgreSQL: exactly-once under
+//! concurrency, crash recovery through the reaper, retries, shutdown.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use almanac::maintenance::{Reaper, ReaperConfig};
+use almanac::queue::{self, Backoff, JobStatus, NewJob};
+use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use common::{count, eventually, log_exec};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+fn fast(concurrency: usize) -> WorkerConfig {
+    WorkerConfig {
+        concurrency,
+        batch_size: concurrency,
+        lease: Duration::from_secs(10),
+        poll_interval: Duration::from_millis(50),
+        shutdown_deadline: Duration::from_secs(5),
+        backoff: Backoff {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(2),
+            jitter: 0.25,
+        },
+        listen: true,
+    }
+}
+
+/// A handler that logs each execution to `exec_log`.
+fn logging(
+    pool: PgPool,
+    worker: i32,
+) -> impl Fn(
+    JobContext,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>
+       + Send
+       + Sync
+       + 'static {
+    move |ctx: JobContext| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            log_exec(&pool, ctx.job.id, ctx.job.attempts, worker).await;
+            Ok(())
+        })
+    }
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
+    common::create_exec_log(&pool).await;
+    const JOBS: usize = 20_000;
+    let mut conn = pool.acquire().await.unwrap();
+    for chunk in 0..(JOBS / 5000) {
+        let batch: Vec<NewJob> = (0..5000)
+            .map(|i| NewJob::new("burn").idempotency_key(format!("burn:{}", chunk * 5000 + i)))
+            .collect();
+        queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    }
+    drop(conn);
+
+    let shared = common::another_pool(&pool, 12).await;
+    let stop = CancellationToken::new();
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let worker =
+            Worker::new(shared.clone(), fast(8)).register("burn", logging(shared.clone(), w));
+        workers.push(tokio::spawn(worker.run(stop.clone())));
+    }
+    eventually("every job to be done", Duration::from_secs(240), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == JOBS as i64
+    })
+    .await;
+    stop.cancel();
+    let mut completed = 0;
+    for w in workers {
+        let report = w.await.unwrap().unwrap();
+        assert_eq!(
+            (report.lost, report.retried, report.dead, report.released),
+            (0, 0, 0, 0)
+        );
+        completed += report.completed;
+    }
+    assert_eq!(completed, JOBS as u64);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM exec_log").await,
+        JOBS as i64
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        JOBS as i64,
+        "a job ran twice"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status <> 'done' OR attempts <> 1"
+        )
+        .await,
+        0
+    );
+    let busy = count(&pool, "SELECT count(DISTINCT worker) FROM exec_log").await;
+    assert!(busy >= 2, "the work should spread over workers, got {busy}");
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool: PgPool) {
+    common::create_exec_log(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("report"))
+        .await
+        .unwrap()
+        .id();
+
+    // Worker 1 runs in a runtime of its own, which we drop mid-job: no
+    // completion, no release, no more heartbeats, as when a process dies.
+    let options = (*pool.connect_options()).clone();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (die_tx, die_rx) = std::sync::mpsc::channel::<()>();
+    let doomed = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.spawn(async move {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(3)
+                .connect_with(options)
+                .await
+                .unwrap();
+            let config = WorkerConfig {
+                lease: Duration::from_millis(600),
+                ..fast(1)
+            };
+            let worker = Worker::new(pool, config).register("report", move |ctx: JobContext| {
+                let started = started_tx.clone();
+                async move {
+                    started.send(ctx.job.attempts).unwrap();
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            });
+            let _ = worker.run(CancellationToken::new()).await;
+        });
+        die_rx.recv().unwrap();
+        rt.shutdown_background();
+    });
+    assert_eq!(started_rx.recv_timeout(Duration::from_secs(30)).unwrap(), 1);
+    die_tx.send(()).unwrap();
+    doomed.join().unwrap();
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().status,
+        JobStatus::Running
+    );
+
+    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    eventually(
+        "the reaper to take the job back",
+        Duration::from_secs(15),
+        || async { reaper.run_once().await.unwrap().requeued == 1 },
+    )
+    .await;
+
+    let stop = CancellationToken::new();
+    let survivor = tokio::spawn(
+        Worker::new(pool.clone(), fast(2))
+            .register("report", logging(pool.clone(), 2))
+            .run(stop.clone()),
+    );
+    eventually(
+        "the survivor to finish the job",
+        Duration::from_secs(15),
+        || async { queue::get(&pool, id).await.unwrap().status == JobStatus::Done },
+    )
+    .await;
+    stop.cancel();
+    survivor.await.unwrap().unwrap();
+    let runs: Vec<(i32, i32)> =
+        sqlx::query_as("SELECT attempt, worker FROM exec_log WHERE job_id = $1")
+            .bind(id)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        runs,
+        vec![(2, 2)],
+        "finished once, by the survivor, on the second attempt"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_failing_handler_retries_with_growing_delays_then_dies_with_last_error(pool: PgPool) {
+    common::create_exec_log(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("flaky").max_attempts(4))
+        .await
+        .unwrap()
+        .id();
+    let config = WorkerConfig {
+        poll_interval: Duration::from_millis(10),
+        ..fast(1)
+    };
+    let backoff = config.backoff;
+    let log_pool = pool.clone();
+    let worker = Worker::new(pool.clone(), config).register("flaky", move |ctx: JobContext| {
+        let pool = log_pool.clone();
+        async move {
+            log_exec(&pool, ctx.job.id, ctx.job.attempts, 0).await;
+            Err(HandlerError::retry(format!(
+                "upstream said 503 (attempt {})",
+                ctx.job.attempts
+            )))
+        }
+    });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to die", Duration::from_secs(30), || async {
+        queue::get(&pool, id).await.unwrap().status == JobStatus::Dead
+    })
+    .await;
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!((report.retried, report.dead), (3, 1));
+
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(job.attempts, 4);
+    assert_eq!(
+        job.last_error.as_deref(),
+        Some("upstream said 503 (attempt 4)")
+    );
+    let gaps: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM at - lag(at) OVER (ORDER BY attempt))::float8 FROM exec_log ORDER BY attempt OFFSET 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(gaps.len(), 3);
+    for (i, gap) in gaps.iter().enumerate() {
+        // Never sooner than the shortest jittered delay for that attempt,
+        // and that floor doubles each time.
+        let floor = backoff.delay_with(i as i32 + 1, 1.0).as_secs_f64();
+        assert!(
+            *gap >= floor,
+            "retry {} came after {gap:.3}s, before its backoff {floor:.3}s",
+            i + 1
+        );
+    }
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_panicking_handler_counts_as_a_retryable_failure(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("boom").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    let worker =
+        Worker::new(pool.clone(), fast(1)).register("boom", |_ctx: JobContext| async move {
+            if true {
+                panic!("index out of range");
+            }
+            Ok(())
+        });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to die", Duration::from_secs(15), || async {
+        queue::get(&pool, id).await.unwrap().status == JobStatus::Dead
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(
+        job.last_error.as_deref(),
+        Some("handler panicked: index out of range")
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn shutdown_lets_handlers_finish_in_time_and_releases_the_rest(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let quick = queue::enqueue(&mut conn, &NewJob::new("quick"))
+        .await
+        .unwrap()
+        .id();
+    let stuck = queue::enqueue(&mut conn, &NewJob::new("stuck"))
+        .await
+        .unwrap()
+        .id();
+    let started = Arc::new(tokio::sync::Semaphore::new(0));
+    let (s1, s2) = (started.clone(), started.clone());
+    let finish_quick = Arc::new(tokio::sync::Notify::new());
+    let release_quick = finish_quick.clone();
+    let config = WorkerConfig {
+        shutdown_deadline: Duration::from_millis(800),
+        ..fast(4)
+    };
+    let worker = Worker::new(pool.clone(), config)
+        .register("quick", move |_ctx: JobContext| {
+            let (started, finish) = (s1.clone(), release_quick.clone());
+            async move {
+                started.add_permits(1);
+                finish.notified().await;
+                Ok(())
+            }
+        })
+        .register("stuck", move |_ctx: JobContext| {
+            let started = s2.clone();
+            async move {
+                started.add_permits(1);
+                // Ignores cancellation entirely: only the abort stops it.
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    let _both = tokio::time::timeout(Duration::from_secs(15), started.acquire_many(2))
+        .await
+        .unwrap()
+        .unwrap();
+    stop.cancel();
+    // The quick handler finishes inside the deadline, after shutdown began.
+    finish_quick.notify_one();
+    let report = tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!((report.completed, report.released), (1, 1));
+    assert_eq!(
+        queue::get(&pool, quick).await.unwrap().status,
+        JobStatus::Done
+    );
+    let released = queue::get(&pool, stuck).await.unwrap();
+    assert_eq!(
+        (released.status, released.lease_token),
+        (JobStatus::Ready, None)
+    );
+    assert!(released
+        .last_error
+        .unwrap()
+        .contains("released at worker shutdown"));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_handler_is_told_when_its_lease_is_lost(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("long"))
+        .await
+        .unwrap()
+        .id();
+    let (told_tx, told_rx) = tokio::sync::oneshot::channel();
+    let told = Arc::new(std::sync::Mutex::new(Some(told_tx)));
+    let config = WorkerConfig {
+        lease: Duration::from_millis(600),
+        ..fast(1)
+    };
+    let worker = Worker::new(pool.clone(), config).register("long", move |ctx: JobContext| {
+        let told = told.clone();
+        async move {
+            ctx.cancelled().await;
+            if let Some(tx) = told.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            Err(HandlerError::retry("stopped: lease lost"))
+        }
+    });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to start", Duration::from_secs(15), || async {
+        queue::get(&pool, id).await.unwrap().status == JobStatus::Running
+    })
+    .await;
+    // Another claimant takes the lease over (as after a reap and re-claim).
+    sqlx::query("UPDATE almanac.jobs SET lease_token = gen_random_uuid() WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), told_rx)
+        .await
+        .expect("handler was not told")
+        .unwrap();
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(report.lost, 1);
+    // The stale worker's failure did not overwrite the new holder's row.
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().status,
+        JobStatus::Running
+    );
+}
