@@ -399,7 +399,12 @@ async fn heartbeat(shared: Arc<Shared>, stop: CancellationToken) {
 }
 
 /// Wakes the claim loop on `NOTIFY` for one of our kinds; reconnects with backoff.
+/// The listener holds a connection of its own, outside the worker's pool, so
+/// LISTEN never takes a connection that claims and completions need.
 async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: CancellationToken) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with((*pool.connect_options()).clone());
     let mut pause = Duration::from_millis(100);
     loop {
         let connected = async {

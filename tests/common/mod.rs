@@ -7,13 +7,16 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 
-/// Polls `check` until it holds; panics naming `what` after `deadline`.
+/// Polls `check` until it holds; panics naming `what` after `deadline`. The
+/// pause between checks grows from 10 ms to 250 ms so that a long wait does
+/// not load the database it is watching.
 pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
     let start = Instant::now();
+    let mut pause = Duration::from_millis(10);
     loop {
         if check().await {
             return;
@@ -22,7 +25,8 @@ where
             start.elapsed() < deadline,
             "timed out after {deadline:?} waiting for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(250));
     }
 }
 
@@ -67,6 +71,19 @@ pub async fn another_pool(pool: &PgPool, max_connections: u32) -> PgPool {
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections)
         .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap()
+}
+
+/// A pool for the test's own bookkeeping (the execution log): commits skip the
+/// WAL flush wait, which is the test's cost, not the queue's.
+pub async fn log_pool(pool: &PgPool, max_connections: u32) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("synchronous_commit", "off")]);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(options)
         .await
         .unwrap()
 }
