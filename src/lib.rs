@@ -22,5 +22,6 @@ pub mod config;
 pub mod db;
 pub mod maintenance;
 pub mod queue;
+pub mod scheduler;
 pub mod supervisor;
 pub mod worker;

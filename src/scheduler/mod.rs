@@ -1,0 +1,2 @@
+pub mod cron;
+pub mod timeline;
