@@ -1,2 +1,3 @@
 pub mod cron;
+pub mod spec;
 pub mod timeline;
