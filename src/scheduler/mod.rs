@@ -1,3 +1,5 @@
 pub mod cron;
+pub mod ledger;
+pub mod plan;
 pub mod spec;
 pub mod timeline;

@@ -1,0 +1,287 @@
+//! The schedule tables: definitions as last synced, and the run ledger.
+//!
+//! Recording a batch of runs is one transaction: the `schedule_runs` rows
+//! (keyed by `(schedule, logical_run)`) and the jobs they emit (keyed by
+//! `schedule:<name>:<logical_run>`) commit together. A run already in the
+//! ledger is left alone, so two leaders, a retried tick, or a backfill
+//! repeated twice can never emit a run twice, and a run whose job the janitor
+//! has deleted (the ledger row stays, `job_id` NULL) is never emitted again.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use sqlx::{Connection, PgConnection};
+
+use super::plan::{Decision, Planned};
+use super::spec::{Overlap, Schedule};
+use crate::queue::{self, NewJob, QueueError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+}
+
+/// Upserts the definitions in one transaction; schedules missing from
+/// `schedules` are disabled (their ledger stays).
+pub async fn sync(conn: &mut PgConnection, schedules: &[Schedule]) -> Result<(), LedgerError> {
+    let rows: Vec<serde_json::Value> = schedules
+        .iter()
+        .map(|s| {
+            let mut d = s.definition();
+            d["name"] = s.name.clone().into();
+            d
+        })
+        .collect();
+    let mut tx = conn.begin().await?;
+    sqlx::query(
+        r#"
+        INSERT INTO almanac.schedules AS s
+            (name, cron, timezone, kind, payload, catchup, catchup_window, start, overlap,
+             max_attempts, enabled, definition_hash)
+        SELECT d->>'name', d->>'cron', d->>'timezone', d->>'kind', d->'payload', d->>'catchup',
+               (d->>'catchup_window')::interval, (d->>'start')::date, d->>'overlap',
+               (d->>'max_attempts')::int, (d->>'enabled')::boolean, md5((d - 'name')::text)
+        FROM unnest($1::jsonb[]) AS d
+        ON CONFLICT (name) DO UPDATE SET
+            cron = excluded.cron, timezone = excluded.timezone, kind = excluded.kind,
+            payload = excluded.payload, catchup = excluded.catchup,
+            catchup_window = excluded.catchup_window, start = excluded.start,
+            overlap = excluded.overlap, max_attempts = excluded.max_attempts,
+            enabled = excluded.enabled, definition_hash = excluded.definition_hash,
+            updated_at = now()
+        WHERE s.definition_hash IS DISTINCT FROM excluded.definition_hash
+        "#,
+    )
+    .bind(&rows)
+    .execute(&mut *tx)
+    .await?;
+    let names: Vec<&str> = schedules.iter().map(|s| s.name.as_str()).collect();
+    sqlx::query(
+        "UPDATE almanac.schedules SET enabled = false, updated_at = now() WHERE enabled AND name <> ALL($1)",
+    )
+    .bind(&names)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Where a schedule stands: its last recorded run and its first sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub last_fire: Option<DateTime<Utc>>,
+    pub first_seen: DateTime<Utc>,
+}
+
+pub async fn cursors(conn: &mut PgConnection, names: &[String]) -> Result<HashMap<String, Cursor>, LedgerError> {
+    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
+        r#"
+        SELECT s.name, s.created_at,
+               (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
+                ORDER BY r.fire_at DESC LIMIT 1)
+        FROM almanac.schedules s WHERE s.name = ANY($1)
+        "#,
+    )
+    .bind(names)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, first_seen, last_fire)| (name, Cursor { last_fire, first_seen }))
+        .collect())
+}
+
+/// What recording a batch did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// New ledger rows with a job.
+    pub emitted: u64,
+    /// Ledger rows that were skipped before and now have a job (backfill).
+    pub emitted_after_skip: u64,
+    pub skipped_catchup: u64,
+    pub skipped_overlap: u64,
+    /// Runs already in the ledger, left as they were.
+    pub existed: u64,
+}
+
+impl Recorded {
+    pub fn add(&mut self, other: Recorded) {
+        self.emitted += other.emitted;
+        self.emitted_after_skip += other.emitted_after_skip;
+        self.skipped_catchup += other.skipped_catchup;
+        self.skipped_overlap += other.skipped_overlap;
+        self.existed += other.existed;
+    }
+}
+
+/// Records planned runs and emits their jobs in one transaction.
+///
+/// With `overlap` true, a `skip` schedule whose previous job is unfinished
+/// records its run as `skipped_overlap` (and so does every run after the first
+/// in the same batch). With `emit_skipped` true (backfill), runs recorded
+/// earlier as skipped get their job now.
+pub async fn record(
+    conn: &mut PgConnection,
+    batch: &[(&Schedule, Planned)],
+    overlap: bool,
+    emit_skipped: bool,
+) -> Result<Recorded, LedgerError> {
+    let mut report = Recorded::default();
+    if batch.is_empty() {
+        return Ok(report);
+    }
+    let mut tx = conn.begin().await?;
+
+    let mut busy: HashSet<String> = HashSet::new();
+    if overlap {
+        let skippers: Vec<&str> = batch
+            .iter()
+            .filter(|(s, p)| s.overlap == Overlap::Skip && p.decision == Decision::Emit)
+            .map(|(s, _)| s.name.as_str())
+            .collect();
+        if !skippers.is_empty() {
+            busy = sqlx::query_scalar(
+                "SELECT DISTINCT schedule FROM almanac.jobs WHERE schedule = ANY($1) AND status IN ('ready', 'running')",
+            )
+            .bind(&skippers)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+        }
+    }
+    let mut names = Vec::with_capacity(batch.len());
+    let mut runs = Vec::with_capacity(batch.len());
+    let mut fires = Vec::with_capacity(batch.len());
+    let mut sources = Vec::with_capacity(batch.len());
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for (schedule, planned) in batch {
+        let outcome = match planned.decision {
+            Decision::SkipCatchup => "skipped_catchup",
+            Decision::Emit if overlap && schedule.overlap == Overlap::Skip => {
+                if busy.insert(schedule.name.clone()) {
+                    "emitted"
+                } else {
+                    "skipped_overlap"
+                }
+            }
+            Decision::Emit => "emitted",
+        };
+        names.push(schedule.name.as_str());
+        runs.push(planned.run.logical_run.as_str());
+        fires.push(planned.run.fire_at);
+        sources.push(planned.source.as_str());
+        outcomes.push(outcome);
+    }
+    let on_conflict = if emit_skipped {
+        "DO UPDATE SET outcome = 'emitted', source = excluded.source, recorded_at = now() \
+         WHERE r.outcome <> 'emitted' AND excluded.outcome = 'emitted'"
+    } else {
+        "DO NOTHING"
+    };
+    let written: Vec<(String, String, String, bool)> = sqlx::query_as(&format!(
+        r#"
+        INSERT INTO almanac.schedule_runs AS r (schedule, logical_run, fire_at, source, outcome)
+        SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[])
+        ON CONFLICT (schedule, logical_run) {on_conflict}
+        RETURNING r.schedule, r.logical_run, r.outcome, (r.xmax <> 0) AS was_there
+        "#
+    ))
+    .bind(&names)
+    .bind(&runs)
+    .bind(&fires)
+    .bind(&sources)
+    .bind(&outcomes)
+    .fetch_all(&mut *tx)
+    .await?;
+    report.existed = (batch.len() - written.len()) as u64;
+
+    let by_key: HashMap<(&str, &str), &(&Schedule, Planned)> = batch
+        .iter()
+        .map(|entry| ((entry.0.name.as_str(), entry.1.run.logical_run.as_str()), entry))
+        .collect();
+    let mut jobs = Vec::new();
+    let mut linked = Vec::new();
+    for (name, run, outcome, was_there) in &written {
+        match outcome.as_str() {
+            "emitted" => {
+                let (schedule, planned) = by_key[&(name.as_str(), run.as_str())];
+                let mut job = NewJob::new(schedule.kind.clone())
+                    .payload(schedule.payload.clone())
+                    .run_at(planned.run.fire_at)
+                    .max_attempts(schedule.max_attempts)
+                    .idempotency_key(schedule.job_key(run));
+                job.schedule = Some(name.clone());
+                job.logical_run = Some(run.clone());
+                jobs.push(job);
+                linked.push((name.as_str(), run.as_str()));
+                if *was_there {
+                    report.emitted_after_skip += 1;
+                } else {
+                    report.emitted += 1;
+                }
+            }
+            "skipped_catchup" => report.skipped_catchup += 1,
+            _ => report.skipped_overlap += 1,
+        }
+    }
+    if !jobs.is_empty() {
+        let ids: Vec<i64> = queue::enqueue_many(&mut tx, &jobs)
+            .await?
+            .into_iter()
+            .map(|e| e.id())
+            .collect();
+        let (link_names, link_runs): (Vec<&str>, Vec<&str>) = linked.into_iter().unzip();
+        sqlx::query(
+            r#"
+            UPDATE almanac.schedule_runs AS r SET job_id = l.job_id
+            FROM unnest($1::text[], $2::text[], $3::bigint[]) AS l(schedule, logical_run, job_id)
+            WHERE r.schedule = l.schedule AND r.logical_run = l.logical_run
+            "#,
+        )
+        .bind(&link_names)
+        .bind(&link_runs)
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(report)
+}
+
+/// The ledger rows of one schedule with `from <= fire_at < to`: logical run → outcome.
+pub async fn recorded_between(
+    conn: &mut PgConnection,
+    schedule: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<HashMap<String, String>, LedgerError> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT logical_run, outcome FROM almanac.schedule_runs WHERE schedule = $1 AND fire_at >= $2 AND fire_at < $3",
+    )
+    .bind(schedule)
+    .bind(from)
+    .bind(to)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The last emitted run of each schedule: name → (logical run, fire_at).
+pub async fn last_emitted(
+    conn: &mut PgConnection,
+) -> Result<HashMap<String, (String, DateTime<Utc>)>, LedgerError> {
+    let rows: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
+        r#"
+        SELECT DISTINCT ON (schedule) schedule, logical_run, fire_at
+        FROM almanac.schedule_runs WHERE outcome = 'emitted'
+        ORDER BY schedule, fire_at DESC
+        "#,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.into_iter().map(|(s, r, f)| (s, (r, f))).collect())
+}
