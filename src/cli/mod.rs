@@ -2,10 +2,12 @@
 //! and `run()`. Errors reach the person as `error: ...` on stderr with exit
 //! status 1 (2 for usage errors, from clap).
 
+mod backfill;
 mod enqueue;
 mod jobs;
 mod migrate;
 mod run;
+mod schedules;
 mod stats;
 mod work;
 
@@ -53,6 +55,51 @@ enum Command {
     Run(run::Args),
     /// Run jobs with shell-command handlers until SIGINT/SIGTERM.
     Work(work::Args),
+    /// Check, list and preview schedules.
+    Schedules(schedules::Args),
+    /// Emit every missing logical run of a schedule in a date range.
+    Backfill(backfill::BackfillArgs),
+    /// List the logical runs of a schedule that have no ledger row.
+    Gaps(backfill::GapsArgs),
+}
+
+/// `--schedules DIR`, shared by every command that reads schedule files.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SchedulesDir {
+    /// Directory of schedule files (*.toml) [default: schedules].
+    #[arg(long = "schedules", env = "ALMANAC_SCHEDULES")]
+    dir: Option<PathBuf>,
+}
+
+impl SchedulesDir {
+    pub fn resolve(&self, ctx: &Ctx) -> PathBuf {
+        self.dir
+            .clone()
+            .or_else(|| ctx.config.schedules_dir.clone())
+            .unwrap_or_else(|| PathBuf::from("schedules"))
+    }
+
+    /// Loads every schedule, or fails with each problem at its file and line.
+    pub fn load(&self, ctx: &Ctx) -> anyhow::Result<Vec<crate::scheduler::spec::Schedule>> {
+        Ok(crate::scheduler::spec::load_dir(&self.resolve(ctx))?)
+    }
+
+    pub fn find(&self, ctx: &Ctx, name: &str) -> anyhow::Result<crate::scheduler::spec::Schedule> {
+        let dir = self.resolve(ctx);
+        let all = self.load(ctx)?;
+        let names: Vec<String> = all.iter().map(|s| s.name.clone()).collect();
+        all.into_iter().find(|s| s.name == name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "no schedule named `{name}` in {}; known: {}",
+                dir.display(),
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            )
+        })
+    }
 }
 
 /// What every subcommand gets: the resolved config and a way to the database.
@@ -62,6 +109,10 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    pub fn connect_options(&self) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
+        Ok(db::parse_url(&self.database_url)?)
+    }
+
     /// Connects and applies pending migrations (for the long-running roles).
     pub async fn migrated_pool(&self, max_connections: u32) -> anyhow::Result<PgPool> {
         Ok(db::connect_and_migrate(&self.database_url, max_connections).await?)
@@ -70,14 +121,28 @@ impl Ctx {
     /// Connects to a database that must already have the schema.
     pub async fn pool(&self) -> anyhow::Result<PgPool> {
         let pool = db::connect(&self.database_url, 2).await?;
-        let present: bool = sqlx::query_scalar("SELECT to_regclass('almanac.jobs') IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .context("checking for the almanac schema")?;
-        if !present {
+        let applied: Vec<i64> =
+            if sqlx::query_scalar::<_, bool>("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+                .fetch_one(&pool)
+                .await
+                .context("checking the almanac schema")?
+            {
+                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                    .fetch_all(&pool)
+                    .await
+                    .context("checking the almanac schema")?
+            } else {
+                Vec::new()
+            };
+        let pending = db::MIGRATOR
+            .iter()
+            .filter(|m| !applied.contains(&m.version))
+            .count();
+        if pending > 0 {
             bail!(
-                "{} has no almanac schema yet; run `almanac migrate` (or start `almanac run`) first",
-                db::Target::of(&pool.connect_options())
+                "{} lacks {pending} almanac migration{}; run `almanac migrate` (or start `almanac run`) first",
+                db::Target::of(&pool.connect_options()),
+                if pending == 1 { "" } else { "s" }
             );
         }
         Ok(pool)
@@ -114,6 +179,9 @@ pub async fn main() -> ExitCode {
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,
         Command::Work(args) => work::run(&ctx, args).await,
+        Command::Schedules(args) => schedules::run(&ctx, args).await,
+        Command::Backfill(args) => backfill::run_backfill(&ctx, args).await,
+        Command::Gaps(args) => backfill::run_gaps(&ctx, args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -145,7 +213,8 @@ pub fn chain_text(err: &anyhow::Error) -> String {
 
 fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

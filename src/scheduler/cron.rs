@@ -59,15 +59,37 @@ struct Spec {
     names: &'static [&'static str],
 }
 
-const SECOND: Spec = Spec { name: "second", min: 0, max: 59, names: &[] };
-const MINUTE: Spec = Spec { name: "minute", min: 0, max: 59, names: &[] };
-const HOUR: Spec = Spec { name: "hour", min: 0, max: 23, names: &[] };
-const DAY_OF_MONTH: Spec = Spec { name: "day-of-month", min: 1, max: 31, names: &[] };
+const SECOND: Spec = Spec {
+    name: "second",
+    min: 0,
+    max: 59,
+    names: &[],
+};
+const MINUTE: Spec = Spec {
+    name: "minute",
+    min: 0,
+    max: 59,
+    names: &[],
+};
+const HOUR: Spec = Spec {
+    name: "hour",
+    min: 0,
+    max: 23,
+    names: &[],
+};
+const DAY_OF_MONTH: Spec = Spec {
+    name: "day-of-month",
+    min: 1,
+    max: 31,
+    names: &[],
+};
 const MONTH: Spec = Spec {
     name: "month",
     min: 1,
     max: 12,
-    names: &["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"],
+    names: &[
+        "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
+    ],
 };
 const DAY_OF_WEEK: Spec = Spec {
     name: "day-of-week",
@@ -128,7 +150,9 @@ impl CronExpr {
             fixed_time,
         };
         if !cron.can_ever_match() {
-            return Err(fail("no date ever matches (check day-of-month against month)".into()));
+            return Err(fail(
+                "no date ever matches (check day-of-month against month)".into(),
+            ));
         }
         Ok(cron)
     }
@@ -170,7 +194,9 @@ impl CronExpr {
             return false;
         }
         let dom = self.days_of_month.contains(date.day());
-        let dow = self.days_of_week.contains(date.weekday().num_days_from_sunday());
+        let dow = self
+            .days_of_week
+            .contains(date.weekday().num_days_from_sunday());
         if !self.days_of_month.star && !self.days_of_week.star {
             dom || dow
         } else {
@@ -190,11 +216,9 @@ fn parse_field(text: &str, spec: &Spec) -> Result<Field, String> {
     for part in text.split(',') {
         let (range, step) = match part.split_once('/') {
             Some((range, step)) => {
-                let step: u32 = step
-                    .parse()
-                    .ok()
-                    .filter(|s| *s > 0)
-                    .ok_or_else(|| format!("{} step `{step}` must be a positive number", spec.name))?;
+                let step: u32 = step.parse().ok().filter(|s| *s > 0).ok_or_else(|| {
+                    format!("{} step `{step}` must be a positive number", spec.name)
+                })?;
                 (range, Some(step))
             }
             None => (part, None),
@@ -258,7 +282,9 @@ mod tests {
     fn weekdays_are_monday_to_friday_not_sunday_to_thursday() {
         let cron = CronExpr::parse("0 9 * * 1-5").unwrap();
         // 2026-11-29 is a Sunday.
-        let days: Vec<bool> = (0..7).map(|i| cron.matches_date(date(2026, 11, 29) + chrono::Days::new(i))).collect();
+        let days: Vec<bool> = (0..7)
+            .map(|i| cron.matches_date(date(2026, 11, 29) + chrono::Days::new(i)))
+            .collect();
         assert_eq!(days, vec![false, true, true, true, true, true, false]);
     }
 
@@ -282,7 +308,10 @@ mod tests {
         assert!(!cron.matches_date(date(2026, 12, 5)));
         // A star in one day field makes the other decide alone.
         let cron = CronExpr::parse("0 0 */2 * 5").unwrap();
-        assert!(!cron.matches_date(date(2026, 12, 4)), "Friday the 4th: even day, and */2 is a star field");
+        assert!(
+            !cron.matches_date(date(2026, 12, 4)),
+            "Friday the 4th: even day, and */2 is a star field"
+        );
         assert!(cron.matches_date(date(2026, 12, 11)), "Friday the 11th");
     }
 
@@ -303,13 +332,28 @@ mod tests {
     #[test]
     fn bad_expressions_say_what_is_wrong() {
         let err = |e: &str| CronExpr::parse(e).unwrap_err().to_string();
-        assert_eq!(err("0 25 * * *"), "cron `0 25 * * *`: hour 25 is out of range 0-23");
+        assert_eq!(
+            err("0 25 * * *"),
+            "cron `0 25 * * *`: hour 25 is out of range 0-23"
+        );
         assert_eq!(err("0 0 * *"), "cron `0 0 * *`: has 4 fields; write 5 (minute hour day-of-month month day-of-week) or 6 with a leading seconds field");
-        assert_eq!(err("0 0 30 2 *"), "cron `0 0 30 2 *`: no date ever matches (check day-of-month against month)");
-        assert_eq!(err("*/0 * * * *"), "cron `*/0 * * * *`: minute step `0` must be a positive number");
-        assert_eq!(err("0 0 * * fri-mon"), "cron `0 0 * * fri-mon`: day-of-week range `fri-mon` runs backwards");
+        assert_eq!(
+            err("0 0 30 2 *"),
+            "cron `0 0 30 2 *`: no date ever matches (check day-of-month against month)"
+        );
+        assert_eq!(
+            err("*/0 * * * *"),
+            "cron `*/0 * * * *`: minute step `0` must be a positive number"
+        );
+        assert_eq!(
+            err("0 0 * * fri-mon"),
+            "cron `0 0 * * fri-mon`: day-of-week range `fri-mon` runs backwards"
+        );
         assert_eq!(err("@reboot"), "cron `@reboot`: unknown macro `@reboot`; use @yearly, @monthly, @weekly, @daily or @hourly");
-        assert_eq!(err("0 0 * foo *"), "cron `0 0 * foo *`: `foo` is not a valid month value");
+        assert_eq!(
+            err("0 0 * foo *"),
+            "cron `0 0 * foo *`: `foo` is not a valid month value"
+        );
         assert!(CronExpr::parse("0 0 29 2 *").is_ok(), "leap days exist");
     }
 }

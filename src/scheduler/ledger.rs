@@ -24,9 +24,14 @@ pub enum LedgerError {
     Queue(#[from] QueueError),
 }
 
-/// Upserts the definitions in one transaction; schedules missing from
-/// `schedules` are disabled (their ledger stays).
-pub async fn sync(conn: &mut PgConnection, schedules: &[Schedule]) -> Result<(), LedgerError> {
+/// Upserts the definitions in one transaction. With `disable_missing`, the
+/// schedules not in `schedules` (removed from the files) are disabled; their
+/// ledger stays.
+pub async fn sync(
+    conn: &mut PgConnection,
+    schedules: &[Schedule],
+    disable_missing: bool,
+) -> Result<(), LedgerError> {
     let rows: Vec<serde_json::Value> = schedules
         .iter()
         .map(|s| {
@@ -58,13 +63,15 @@ pub async fn sync(conn: &mut PgConnection, schedules: &[Schedule]) -> Result<(),
     .bind(&rows)
     .execute(&mut *tx)
     .await?;
-    let names: Vec<&str> = schedules.iter().map(|s| s.name.as_str()).collect();
-    sqlx::query(
-        "UPDATE almanac.schedules SET enabled = false, updated_at = now() WHERE enabled AND name <> ALL($1)",
-    )
-    .bind(&names)
-    .execute(&mut *tx)
-    .await?;
+    if disable_missing {
+        let names: Vec<&str> = schedules.iter().map(|s| s.name.as_str()).collect();
+        sqlx::query(
+            "UPDATE almanac.schedules SET enabled = false, updated_at = now() WHERE enabled AND name <> ALL($1)",
+        )
+        .bind(&names)
+        .execute(&mut *tx)
+        .await?;
+    }
     tx.commit().await?;
     Ok(())
 }
@@ -76,7 +83,10 @@ pub struct Cursor {
     pub first_seen: DateTime<Utc>,
 }
 
-pub async fn cursors(conn: &mut PgConnection, names: &[String]) -> Result<HashMap<String, Cursor>, LedgerError> {
+pub async fn cursors(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<HashMap<String, Cursor>, LedgerError> {
     let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
         r#"
         SELECT s.name, s.created_at,
@@ -90,7 +100,15 @@ pub async fn cursors(conn: &mut PgConnection, names: &[String]) -> Result<HashMa
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(name, first_seen, last_fire)| (name, Cursor { last_fire, first_seen }))
+        .map(|(name, first_seen, last_fire)| {
+            (
+                name,
+                Cursor {
+                    last_fire,
+                    first_seen,
+                },
+            )
+        })
         .collect())
 }
 
@@ -201,7 +219,12 @@ pub async fn record(
 
     let by_key: HashMap<(&str, &str), &(&Schedule, Planned)> = batch
         .iter()
-        .map(|entry| ((entry.0.name.as_str(), entry.1.run.logical_run.as_str()), entry))
+        .map(|entry| {
+            (
+                (entry.0.name.as_str(), entry.1.run.logical_run.as_str()),
+                entry,
+            )
+        })
         .collect();
     let mut jobs = Vec::new();
     let mut linked = Vec::new();

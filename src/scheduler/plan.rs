@@ -68,12 +68,22 @@ pub fn due_runs(
         Some(last) => (last + chrono::Duration::microseconds(1)).max(floor),
         None => floor,
     };
-    runs_in(schedule, from, now + chrono::Duration::microseconds(1), limit)
+    runs_in(
+        schedule,
+        from,
+        now + chrono::Duration::microseconds(1),
+        limit,
+    )
 }
 
 /// Runs with `from <= fire_at < to` on or after the `start` date, at most
 /// `limit`, generated a day at a time so long ranges stay cheap.
-pub fn runs_in(schedule: &Schedule, from: DateTime<Utc>, to: DateTime<Utc>, limit: usize) -> Vec<Run> {
+pub fn runs_in(
+    schedule: &Schedule,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    limit: usize,
+) -> Vec<Run> {
     let mut out = Vec::new();
     let mut lo = from;
     while lo < to && out.len() < limit {
@@ -102,8 +112,13 @@ pub fn classify(
     complete: bool,
 ) -> Vec<Planned> {
     let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
-    let window = chrono::Duration::from_std(schedule.catchup_window).unwrap_or(chrono::Duration::MAX);
-    let latest = if complete { runs.last().map(|r| r.fire_at) } else { None };
+    let window =
+        chrono::Duration::from_std(schedule.catchup_window).unwrap_or(chrono::Duration::MAX);
+    let latest = if complete {
+        runs.last().map(|r| r.fire_at)
+    } else {
+        None
+    };
     runs.into_iter()
         .map(|run| {
             let late = now - run.fire_at;
@@ -117,9 +132,20 @@ pub fn classify(
                     Catchup::Latest => latest == Some(run.fire_at),
                     Catchup::None => false,
                 };
-                (Source::Catchup, if emit { Decision::Emit } else { Decision::SkipCatchup })
+                (
+                    Source::Catchup,
+                    if emit {
+                        Decision::Emit
+                    } else {
+                        Decision::SkipCatchup
+                    },
+                )
             };
-            Planned { run, source, decision }
+            Planned {
+                run,
+                source,
+                decision,
+            }
         })
         .collect()
 }
@@ -157,29 +183,38 @@ mod tests {
     fn all_emits_every_missed_run_in_the_window_and_the_on_time_one() {
         let plan = decide("catchup = \"all\"\ncatchup_window = \"4d\"", AFTER, NOW);
         use Decision::*;
-        assert_eq!(plan, vec![
-            ("2026-03-02".into(), "catchup", SkipCatchup), // missed by more than 4 days
-            ("2026-03-03".into(), "catchup", Emit),
-            ("2026-03-04".into(), "catchup", Emit),
-            ("2026-03-05".into(), "catchup", Emit),
-            ("2026-03-06".into(), "tick", Emit),
-        ]);
+        assert_eq!(
+            plan,
+            vec![
+                ("2026-03-02".into(), "catchup", SkipCatchup), // missed by more than 4 days
+                ("2026-03-03".into(), "catchup", Emit),
+                ("2026-03-04".into(), "catchup", Emit),
+                ("2026-03-05".into(), "catchup", Emit),
+                ("2026-03-06".into(), "tick", Emit),
+            ]
+        );
     }
 
     #[test]
     fn latest_emits_only_the_most_recent_due_run() {
         use Decision::*;
         let plan = decide("catchup = \"latest\"", AFTER, "2026-03-05T16:00:00Z");
-        assert_eq!(plan, vec![
-            ("2026-03-02".into(), "catchup", SkipCatchup),
-            ("2026-03-03".into(), "catchup", SkipCatchup),
-            ("2026-03-04".into(), "catchup", SkipCatchup),
-            ("2026-03-05".into(), "catchup", Emit),
-        ]);
+        assert_eq!(
+            plan,
+            vec![
+                ("2026-03-02".into(), "catchup", SkipCatchup),
+                ("2026-03-03".into(), "catchup", SkipCatchup),
+                ("2026-03-04".into(), "catchup", SkipCatchup),
+                ("2026-03-05".into(), "catchup", Emit),
+            ]
+        );
         // With an on-time run, that run is the latest: every missed one is skipped.
         let plan = decide("catchup = \"latest\"", AFTER, NOW);
         assert_eq!(plan.iter().filter(|p| p.2 == Emit).count(), 1);
-        assert_eq!(plan.last().unwrap(), &("2026-03-06".to_string(), "tick", Emit));
+        assert_eq!(
+            plan.last().unwrap(),
+            &("2026-03-06".to_string(), "tick", Emit)
+        );
     }
 
     #[test]
@@ -187,14 +222,22 @@ mod tests {
         use Decision::*;
         let plan = decide("catchup = \"none\"", AFTER, NOW);
         assert_eq!(plan.len(), 5);
-        assert!(plan[..4].iter().all(|p| p.2 == SkipCatchup && p.1 == "catchup"));
+        assert!(plan[..4]
+            .iter()
+            .all(|p| p.2 == SkipCatchup && p.1 == "catchup"));
         assert_eq!(plan[4], ("2026-03-06".to_string(), "tick", Emit));
     }
 
     #[test]
     fn nothing_before_start_or_first_sync() {
         let s = schedule("start = \"2026-03-04\"");
-        let runs = due_runs(&s, None, floor(&s, at("2026-01-01T00:00:00Z")), at(NOW), 100);
+        let runs = due_runs(
+            &s,
+            None,
+            floor(&s, at("2026-01-01T00:00:00Z")),
+            at(NOW),
+            100,
+        );
         let names: Vec<String> = runs.into_iter().map(|r| r.logical_run).collect();
         assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
         let first_seen = at("2026-03-04T12:00:00Z");

@@ -205,7 +205,11 @@ pub fn load_sources(sources: &[(PathBuf, String)]) -> Result<Vec<Schedule>, Load
 }
 
 fn origin_line(origin: &str) -> usize {
-    origin.rsplit(':').next().and_then(|l| l.parse().ok()).unwrap_or(0)
+    origin
+        .rsplit(':')
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0)
 }
 
 fn parse_file(file: &Path, text: &str) -> Result<Vec<Schedule>, Vec<Problem>> {
@@ -259,20 +263,30 @@ fn validate(
     raw: RawSchedule,
     at: &dyn Fn(usize, String) -> Problem,
 ) -> Result<Schedule, Problem> {
-    let fail = |span: std::ops::Range<usize>, msg: String| at(span.start, format!("schedule `{name}`: {msg}"));
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+    let fail = |span: std::ops::Range<usize>, msg: String| {
+        at(span.start, format!("schedule `{name}`: {msg}"))
+    };
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
         return Err(fail(
             raw.cron.span(),
             format!("the name `{name}` may use only letters, digits, `-`, `_` and `.`"),
         ));
     }
-    let cron = CronExpr::parse(raw.cron.get_ref()).map_err(|e| fail(raw.cron.span(), e.to_string()))?;
+    let cron =
+        CronExpr::parse(raw.cron.get_ref()).map_err(|e| fail(raw.cron.span(), e.to_string()))?;
     let tz: Tz = match &raw.timezone {
         None => chrono_tz::UTC,
         Some(zone) => zone.get_ref().parse().map_err(|_| {
             fail(
                 zone.span(),
-                format!("unknown time zone `{}`; use an IANA name such as Asia/Seoul or UTC", zone.get_ref()),
+                format!(
+                    "unknown time zone `{}`; use an IANA name such as Asia/Seoul or UTC",
+                    zone.get_ref()
+                ),
             )
         })?,
     };
@@ -288,12 +302,19 @@ fn validate(
         Some(value) => serde_json::to_value(value)
             .map_err(|e| fail(raw.cron.span(), format!("payload cannot be JSON: {e}")))?,
     };
-    let catchup = match raw.catchup.as_ref().map(|c| (c.get_ref().as_str(), c.span())) {
+    let catchup = match raw
+        .catchup
+        .as_ref()
+        .map(|c| (c.get_ref().as_str(), c.span()))
+    {
         None | Some(("all", _)) => Catchup::All,
         Some(("latest", _)) => Catchup::Latest,
         Some(("none", _)) => Catchup::None,
         Some((other, span)) => {
-            return Err(fail(span, format!("catchup is `{other}`; use all, latest or none")))
+            return Err(fail(
+                span,
+                format!("catchup is `{other}`; use all, latest or none"),
+            ))
         }
     };
     let catchup_window = match &raw.catchup_window {
@@ -315,15 +336,25 @@ fn validate(
                 other => other.to_string(),
             };
             Some(NaiveDate::parse_from_str(&text, "%Y-%m-%d").map_err(|_| {
-                fail(value.span(), format!("start `{text}` is not a date; write YYYY-MM-DD"))
+                fail(
+                    value.span(),
+                    format!("start `{text}` is not a date; write YYYY-MM-DD"),
+                )
             })?)
         }
     };
-    let overlap = match raw.overlap.as_ref().map(|o| (o.get_ref().as_str(), o.span())) {
+    let overlap = match raw
+        .overlap
+        .as_ref()
+        .map(|o| (o.get_ref().as_str(), o.span()))
+    {
         None | Some(("allow", _)) => Overlap::Allow,
         Some(("skip", _)) => Overlap::Skip,
         Some((other, span)) => {
-            return Err(fail(span, format!("overlap is `{other}`; use allow or skip")))
+            return Err(fail(
+                span,
+                format!("overlap is `{other}`; use allow or skip"),
+            ))
         }
     };
     let max_attempts = match &raw.max_attempts {
@@ -331,7 +362,12 @@ fn validate(
         Some(n) => i32::try_from(*n.get_ref())
             .ok()
             .filter(|n| *n >= 1)
-            .ok_or_else(|| fail(n.span(), format!("max_attempts is {}; it must be at least 1", n.get_ref())))?,
+            .ok_or_else(|| {
+                fail(
+                    n.span(),
+                    format!("max_attempts is {}; it must be at least 1", n.get_ref()),
+                )
+            })?,
     };
     Ok(Schedule {
         name: name.to_string(),
@@ -353,8 +389,10 @@ mod tests {
     use super::*;
 
     fn load(files: &[(&str, &str)]) -> Result<Vec<Schedule>, String> {
-        let sources: Vec<(PathBuf, String)> =
-            files.iter().map(|(f, t)| (PathBuf::from(f), t.to_string())).collect();
+        let sources: Vec<(PathBuf, String)> = files
+            .iter()
+            .map(|(f, t)| (PathBuf::from(f), t.to_string()))
+            .collect();
         load_sources(&sources).map_err(|e| e.to_string())
     }
 
@@ -379,13 +417,28 @@ start = 2026-02-01
         let all = load(&[("schedules/a.toml", text)]).unwrap();
         assert_eq!(all.len(), 2);
         let daily = &all[0];
-        assert_eq!((daily.name.as_str(), daily.kind.as_str()), ("daily-ingest", "daily_ingest"));
-        assert_eq!(daily.payload, serde_json::json!({"source": "s3://bucket/in", "retries": 2}));
-        assert_eq!((daily.catchup, daily.overlap, daily.max_attempts), (Catchup::Latest, Overlap::Skip, 3));
+        assert_eq!(
+            (daily.name.as_str(), daily.kind.as_str()),
+            ("daily-ingest", "daily_ingest")
+        );
+        assert_eq!(
+            daily.payload,
+            serde_json::json!({"source": "s3://bucket/in", "retries": 2})
+        );
+        assert_eq!(
+            (daily.catchup, daily.overlap, daily.max_attempts),
+            (Catchup::Latest, Overlap::Skip, 3)
+        );
         assert_eq!(daily.origin, "schedules/a.toml:2");
-        assert_eq!(daily.job_key("2026-03-01"), "schedule:daily-ingest:2026-03-01");
+        assert_eq!(
+            daily.job_key("2026-03-01"),
+            "schedule:daily-ingest:2026-03-01"
+        );
         let hourly = &all[1];
-        assert_eq!((hourly.kind.as_str(), hourly.catchup, hourly.enabled), ("hourly", Catchup::All, true));
+        assert_eq!(
+            (hourly.kind.as_str(), hourly.catchup, hourly.enabled),
+            ("hourly", Catchup::All, true)
+        );
         assert_eq!(hourly.start, NaiveDate::from_ymd_opt(2026, 2, 1));
         assert_eq!(hourly.catchup_window, DEFAULT_CATCHUP_WINDOW);
     }
@@ -430,7 +483,11 @@ retries = 3
 
     #[test]
     fn a_name_used_twice_across_files_is_rejected() {
-        let err = load(&[("s/a.toml", "[x]\ncron = \"@daily\"\n"), ("s/b.toml", "\n\n[x]\ncron = \"@hourly\"\n")]).unwrap_err();
+        let err = load(&[
+            ("s/a.toml", "[x]\ncron = \"@daily\"\n"),
+            ("s/b.toml", "\n\n[x]\ncron = \"@hourly\"\n"),
+        ])
+        .unwrap_err();
         assert!(err.starts_with("s/b.toml:3: schedule `x` is already defined at s/a.toml:1; names must be unique across files"), "{err}");
     }
 

@@ -68,7 +68,12 @@ impl Timeline {
         } else {
             Format::Minute
         };
-        Timeline { cron, tz, slots, format }
+        Timeline {
+            cron,
+            tz,
+            slots,
+            format,
+        }
     }
 
     pub fn cron(&self) -> &CronExpr {
@@ -108,7 +113,9 @@ impl Timeline {
                         out.push((second.with_timezone(&Utc), date));
                     }
                 }
-                chrono::LocalResult::None if fixed => out.push((self.shift_out_of_gap(local), date)),
+                chrono::LocalResult::None if fixed => {
+                    out.push((self.shift_out_of_gap(local), date))
+                }
                 chrono::LocalResult::None => {}
             }
         }
@@ -179,7 +186,9 @@ impl Timeline {
     pub fn start_of(&self, date: NaiveDate) -> DateTime<Utc> {
         let midnight = date.and_time(NaiveTime::MIN);
         match self.tz.from_local_datetime(&midnight) {
-            chrono::LocalResult::Single(t) | chrono::LocalResult::Ambiguous(t, _) => t.with_timezone(&Utc),
+            chrono::LocalResult::Single(t) | chrono::LocalResult::Ambiguous(t, _) => {
+                t.with_timezone(&Utc)
+            }
             chrono::LocalResult::None => self.shift_out_of_gap(midnight),
         }
     }
@@ -198,18 +207,31 @@ mod tests {
         timeline
             .runs_between(at(from), at(to))
             .into_iter()
-            .map(|r| (r.logical_run, r.fire_at.format("%Y-%m-%dT%H:%M:%SZ").to_string()))
+            .map(|r| {
+                (
+                    r.logical_run,
+                    r.fire_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                )
+            })
             .collect()
     }
 
     fn expect(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
     }
 
     #[test]
     fn new_york_spring_forward_runs_the_0230_slot_at_0330() {
         assert_eq!(
-            runs("America/New_York", "30 2 * * *", "2026-03-07T00:00:00Z", "2026-03-10T00:00:00Z"),
+            runs(
+                "America/New_York",
+                "30 2 * * *",
+                "2026-03-07T00:00:00Z",
+                "2026-03-10T00:00:00Z"
+            ),
             expect(&[
                 ("2026-03-07", "2026-03-07T07:30:00Z"),
                 ("2026-03-08", "2026-03-08T07:30:00Z"), // 03:30 EDT
@@ -221,7 +243,12 @@ mod tests {
     #[test]
     fn new_york_fall_back_runs_a_0130_job_once_at_its_first_occurrence() {
         assert_eq!(
-            runs("America/New_York", "30 1 * * *", "2026-10-31T00:00:00Z", "2026-11-03T00:00:00Z"),
+            runs(
+                "America/New_York",
+                "30 1 * * *",
+                "2026-10-31T00:00:00Z",
+                "2026-11-03T00:00:00Z"
+            ),
             expect(&[
                 ("2026-10-31", "2026-10-31T05:30:00Z"),
                 ("2026-11-01", "2026-11-01T05:30:00Z"), // 01:30 EDT, not again at 01:30 EST
@@ -233,7 +260,12 @@ mod tests {
     #[test]
     fn new_york_wildcard_fires_twice_in_the_repeated_hour_and_never_in_the_gap() {
         assert_eq!(
-            runs("America/New_York", "30 * * * *", "2026-11-01T04:00:00Z", "2026-11-01T08:00:00Z"),
+            runs(
+                "America/New_York",
+                "30 * * * *",
+                "2026-11-01T04:00:00Z",
+                "2026-11-01T08:00:00Z"
+            ),
             expect(&[
                 ("2026-11-01T04:30Z", "2026-11-01T04:30:00Z"),
                 ("2026-11-01T05:30Z", "2026-11-01T05:30:00Z"),
@@ -242,7 +274,12 @@ mod tests {
             ])
         );
         assert_eq!(
-            runs("America/New_York", "30 * * * *", "2026-03-08T05:00:00Z", "2026-03-08T09:00:00Z"),
+            runs(
+                "America/New_York",
+                "30 * * * *",
+                "2026-03-08T05:00:00Z",
+                "2026-03-08T09:00:00Z"
+            ),
             expect(&[
                 ("2026-03-08T05:30Z", "2026-03-08T05:30:00Z"), // 00:30 EST
                 ("2026-03-08T06:30Z", "2026-03-08T06:30:00Z"), // 01:30 EST
@@ -255,11 +292,24 @@ mod tests {
     #[test]
     fn london_gap_and_repeat() {
         assert_eq!(
-            runs("Europe/London", "30 1 * * *", "2026-03-28T00:00:00Z", "2026-03-30T00:00:00Z"),
-            expect(&[("2026-03-28", "2026-03-28T01:30:00Z"), ("2026-03-29", "2026-03-29T01:30:00Z")]) // 02:30 BST
+            runs(
+                "Europe/London",
+                "30 1 * * *",
+                "2026-03-28T00:00:00Z",
+                "2026-03-30T00:00:00Z"
+            ),
+            expect(&[
+                ("2026-03-28", "2026-03-28T01:30:00Z"),
+                ("2026-03-29", "2026-03-29T01:30:00Z")
+            ]) // 02:30 BST
         );
         assert_eq!(
-            runs("Europe/London", "30 1 * * *", "2026-10-24T00:00:00Z", "2026-10-27T00:00:00Z"),
+            runs(
+                "Europe/London",
+                "30 1 * * *",
+                "2026-10-24T00:00:00Z",
+                "2026-10-27T00:00:00Z"
+            ),
             expect(&[
                 ("2026-10-24", "2026-10-24T00:30:00Z"),
                 ("2026-10-25", "2026-10-25T00:30:00Z"), // 01:30 BST, the first pass
@@ -272,7 +322,12 @@ mod tests {
     fn lord_howe_half_hour_shift() {
         // 02:00 -> 02:30 on 2026-10-04: 02:15 runs at 02:45 (+11:00).
         assert_eq!(
-            runs("Australia/Lord_Howe", "15 2 * * *", "2026-10-02T00:00:00Z", "2026-10-05T00:00:00Z"),
+            runs(
+                "Australia/Lord_Howe",
+                "15 2 * * *",
+                "2026-10-02T00:00:00Z",
+                "2026-10-05T00:00:00Z"
+            ),
             expect(&[
                 ("2026-10-03", "2026-10-02T15:45:00Z"),
                 ("2026-10-04", "2026-10-03T15:45:00Z"),
@@ -281,12 +336,25 @@ mod tests {
         );
         // 02:00 -> 01:30 on 2026-04-05: 01:45 happens twice; a fixed job runs once.
         assert_eq!(
-            runs("Australia/Lord_Howe", "45 1 * * *", "2026-04-04T00:00:00Z", "2026-04-05T00:00:00Z"),
+            runs(
+                "Australia/Lord_Howe",
+                "45 1 * * *",
+                "2026-04-04T00:00:00Z",
+                "2026-04-05T00:00:00Z"
+            ),
             expect(&[("2026-04-05", "2026-04-04T14:45:00Z")])
         );
         assert_eq!(
-            runs("Australia/Lord_Howe", "45 * * * *", "2026-04-04T14:00:00Z", "2026-04-04T16:00:00Z"),
-            expect(&[("2026-04-04T14:45Z", "2026-04-04T14:45:00Z"), ("2026-04-04T15:15Z", "2026-04-04T15:15:00Z")])
+            runs(
+                "Australia/Lord_Howe",
+                "45 * * * *",
+                "2026-04-04T14:00:00Z",
+                "2026-04-04T16:00:00Z"
+            ),
+            expect(&[
+                ("2026-04-04T14:45Z", "2026-04-04T14:45:00Z"),
+                ("2026-04-04T15:15Z", "2026-04-04T15:15:00Z")
+            ])
         );
     }
 
@@ -294,7 +362,12 @@ mod tests {
     fn santiago_transitions_at_midnight() {
         // Midnight does not exist on 2026-09-06: 00:30 runs at 01:30 (-03).
         assert_eq!(
-            runs("America/Santiago", "30 0 * * *", "2026-09-05T00:00:00Z", "2026-09-08T00:00:00Z"),
+            runs(
+                "America/Santiago",
+                "30 0 * * *",
+                "2026-09-05T00:00:00Z",
+                "2026-09-08T00:00:00Z"
+            ),
             expect(&[
                 ("2026-09-05", "2026-09-05T04:30:00Z"),
                 ("2026-09-06", "2026-09-06T04:30:00Z"),
@@ -302,16 +375,31 @@ mod tests {
             ])
         );
         assert_eq!(
-            runs("America/Santiago", "0 0 * * *", "2026-09-06T00:00:00Z", "2026-09-07T00:00:00Z"),
+            runs(
+                "America/Santiago",
+                "0 0 * * *",
+                "2026-09-06T00:00:00Z",
+                "2026-09-07T00:00:00Z"
+            ),
             expect(&[("2026-09-06", "2026-09-06T04:00:00Z")]) // 01:00 -03, the day's first instant
         );
         // 23:00-24:00 repeats on 2026-04-04.
         assert_eq!(
-            runs("America/Santiago", "30 23 * * *", "2026-04-04T12:00:00Z", "2026-04-05T12:00:00Z"),
+            runs(
+                "America/Santiago",
+                "30 23 * * *",
+                "2026-04-04T12:00:00Z",
+                "2026-04-05T12:00:00Z"
+            ),
             expect(&[("2026-04-04", "2026-04-05T02:30:00Z")])
         );
         assert_eq!(
-            runs("America/Santiago", "*/30 23 * * *", "2026-04-04T12:00:00Z", "2026-04-05T12:00:00Z"),
+            runs(
+                "America/Santiago",
+                "*/30 23 * * *",
+                "2026-04-04T12:00:00Z",
+                "2026-04-05T12:00:00Z"
+            ),
             expect(&[
                 ("2026-04-05T02:00Z", "2026-04-05T02:00:00Z"),
                 ("2026-04-05T02:30Z", "2026-04-05T02:30:00Z"),
@@ -324,7 +412,12 @@ mod tests {
     #[test]
     fn beirut_transitions_at_midnight() {
         assert_eq!(
-            runs("Asia/Beirut", "0 0 * * *", "2026-03-27T12:00:00Z", "2026-03-30T12:00:00Z"),
+            runs(
+                "Asia/Beirut",
+                "0 0 * * *",
+                "2026-03-27T12:00:00Z",
+                "2026-03-30T12:00:00Z"
+            ),
             expect(&[
                 ("2026-03-28", "2026-03-27T22:00:00Z"),
                 ("2026-03-29", "2026-03-28T22:00:00Z"), // 01:00 +03, the day's first instant
@@ -332,7 +425,12 @@ mod tests {
             ])
         );
         assert_eq!(
-            runs("Asia/Beirut", "30 23 * * *", "2026-10-24T12:00:00Z", "2026-10-25T12:00:00Z"),
+            runs(
+                "Asia/Beirut",
+                "30 23 * * *",
+                "2026-10-24T12:00:00Z",
+                "2026-10-25T12:00:00Z"
+            ),
             expect(&[("2026-10-24", "2026-10-24T20:30:00Z")])
         );
     }
@@ -341,12 +439,22 @@ mod tests {
     fn chatham_quarter_hour_offsets() {
         // 02:45 -> 03:45 on 2026-09-27: 03:00 runs at 04:00 (+13:45).
         assert_eq!(
-            runs("Pacific/Chatham", "0 3 * * *", "2026-09-26T00:00:00Z", "2026-09-27T00:00:00Z"),
+            runs(
+                "Pacific/Chatham",
+                "0 3 * * *",
+                "2026-09-26T00:00:00Z",
+                "2026-09-27T00:00:00Z"
+            ),
             expect(&[("2026-09-27", "2026-09-26T14:15:00Z")])
         );
         // 03:45 -> 02:45 on 2026-04-05: 03:00 runs once, at +13:45.
         assert_eq!(
-            runs("Pacific/Chatham", "0 3 * * *", "2026-04-04T00:00:00Z", "2026-04-05T00:00:00Z"),
+            runs(
+                "Pacific/Chatham",
+                "0 3 * * *",
+                "2026-04-04T00:00:00Z",
+                "2026-04-05T00:00:00Z"
+            ),
             expect(&[("2026-04-05", "2026-04-04T13:15:00Z")])
         );
     }
@@ -354,7 +462,12 @@ mod tests {
     #[test]
     fn seoul_has_no_transitions() {
         assert_eq!(
-            runs("Asia/Seoul", "0 2 * * *", "2026-03-07T00:00:00Z", "2026-03-10T00:00:00Z"),
+            runs(
+                "Asia/Seoul",
+                "0 2 * * *",
+                "2026-03-07T00:00:00Z",
+                "2026-03-10T00:00:00Z"
+            ),
             expect(&[
                 ("2026-03-08", "2026-03-07T17:00:00Z"),
                 ("2026-03-09", "2026-03-08T17:00:00Z"),
@@ -365,14 +478,32 @@ mod tests {
 
     #[test]
     fn a_year_of_a_daily_fixed_schedule_has_one_run_per_day_in_every_zone() {
-        for zone in ["America/New_York", "Europe/London", "Australia/Lord_Howe", "America/Santiago", "Asia/Beirut", "Pacific/Chatham", "Asia/Seoul"] {
-            for cron in ["0 0 * * *", "30 2 * * *", "59 23 * * *", "45 1 * * *", "0 3 * * *"] {
+        for zone in [
+            "America/New_York",
+            "Europe/London",
+            "Australia/Lord_Howe",
+            "America/Santiago",
+            "Asia/Beirut",
+            "Pacific/Chatham",
+            "Asia/Seoul",
+        ] {
+            for cron in [
+                "0 0 * * *",
+                "30 2 * * *",
+                "59 23 * * *",
+                "45 1 * * *",
+                "0 3 * * *",
+            ] {
                 let all = runs(zone, cron, "2026-01-01T00:00:00Z", "2027-01-01T00:00:00Z");
                 let mut dates: Vec<&String> = all.iter().map(|(d, _)| d).collect();
                 dates.dedup();
                 assert_eq!(dates.len(), all.len(), "{zone} {cron}: a date twice");
                 // The year in UTC covers 364 or 365 local dates, less the partial ends.
-                assert!((363..=366).contains(&all.len()), "{zone} {cron}: {} runs", all.len());
+                assert!(
+                    (363..=366).contains(&all.len()),
+                    "{zone} {cron}: {} runs",
+                    all.len()
+                );
             }
         }
     }
@@ -380,11 +511,24 @@ mod tests {
     #[test]
     fn multi_slot_and_seconds_schedules_name_runs_by_utc_instant() {
         assert_eq!(
-            runs("Asia/Seoul", "0 9,18 * * *", "2026-03-08T00:00:00Z", "2026-03-08T12:00:00Z"),
-            expect(&[("2026-03-08T00:00Z", "2026-03-08T00:00:00Z"), ("2026-03-08T09:00Z", "2026-03-08T09:00:00Z")])
+            runs(
+                "Asia/Seoul",
+                "0 9,18 * * *",
+                "2026-03-08T00:00:00Z",
+                "2026-03-08T12:00:00Z"
+            ),
+            expect(&[
+                ("2026-03-08T00:00Z", "2026-03-08T00:00:00Z"),
+                ("2026-03-08T09:00Z", "2026-03-08T09:00:00Z")
+            ])
         );
         assert_eq!(
-            runs("UTC", "*/20 * * * * *", "2026-03-08T00:00:00Z", "2026-03-08T00:01:00Z"),
+            runs(
+                "UTC",
+                "*/20 * * * * *",
+                "2026-03-08T00:00:00Z",
+                "2026-03-08T00:01:00Z"
+            ),
             expect(&[
                 ("2026-03-08T00:00:00Z", "2026-03-08T00:00:00Z"),
                 ("2026-03-08T00:00:20Z", "2026-03-08T00:00:20Z"),
@@ -395,11 +539,20 @@ mod tests {
 
     #[test]
     fn next_after_finds_the_next_shifted_or_distant_run() {
-        let ny = Timeline::new(CronExpr::parse("30 2 * * *").unwrap(), "America/New_York".parse().unwrap());
+        let ny = Timeline::new(
+            CronExpr::parse("30 2 * * *").unwrap(),
+            "America/New_York".parse().unwrap(),
+        );
         let next = ny.next_after(at("2026-03-08T00:00:00Z")).unwrap();
-        assert_eq!((next.logical_run.as_str(), next.fire_at), ("2026-03-08", at("2026-03-08T07:30:00Z")));
+        assert_eq!(
+            (next.logical_run.as_str(), next.fire_at),
+            ("2026-03-08", at("2026-03-08T07:30:00Z"))
+        );
         let leap = Timeline::new(CronExpr::parse("0 0 29 2 *").unwrap(), chrono_tz::UTC);
-        assert_eq!(leap.next_after(at("2026-03-01T00:00:00Z")).unwrap().fire_at, at("2028-02-29T00:00:00Z"));
+        assert_eq!(
+            leap.next_after(at("2026-03-01T00:00:00Z")).unwrap().fire_at,
+            at("2028-02-29T00:00:00Z")
+        );
         let start = ny.start_of(NaiveDate::from_ymd_opt(2026, 3, 8).unwrap());
         assert_eq!(start, at("2026-03-08T05:00:00Z"));
     }

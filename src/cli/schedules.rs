@@ -1,0 +1,236 @@
+//! `almanac schedules check|list|preview`
+
+use anyhow::{bail, Context as _};
+use chrono::{DateTime, Days, NaiveDate, Utc};
+use chrono_tz::Tz;
+use clap::Subcommand;
+
+use super::{Ctx, SchedulesDir};
+use crate::scheduler::cron::CronExpr;
+use crate::scheduler::timeline::{Run, Timeline};
+use crate::scheduler::{ledger, plan};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: SchedulesCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum SchedulesCommand {
+    /// Validate the schedule files; exit non-zero with file:line on a problem.
+    Check {
+        /// Directory to check [default: --schedules, or schedules].
+        path: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        schedules: SchedulesDir,
+    },
+    /// Each schedule with its next fire time, last emitted run and lag.
+    List {
+        #[command(flatten)]
+        schedules: SchedulesDir,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The runs in [FROM, TO) of a schedule or of an expression.
+    Preview {
+        /// A schedule from the files (or give --cron and --tz).
+        name: Option<String>,
+        #[arg(long, conflicts_with = "name")]
+        cron: Option<String>,
+        /// IANA zone for --cron [default: UTC].
+        #[arg(long, requires = "cron")]
+        tz: Option<String>,
+        /// RFC 3339 instant, or a date (local midnight in the zone).
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        schedules: SchedulesDir,
+    },
+}
+
+/// An RFC 3339 instant, or a date meaning local midnight in the timeline's zone.
+pub fn parse_bound(text: &str, timeline: &Timeline, flag: &str) -> anyhow::Result<Bound> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(Bound::Instant(t.with_timezone(&Utc)));
+    }
+    if let Ok(d) = NaiveDate::parse_from_str(text, "%Y-%m-%d") {
+        return Ok(Bound::Date(d, timeline.start_of(d)));
+    }
+    bail!("{flag} `{text}` is neither a date (2026-03-08) nor an RFC 3339 instant (2026-03-08T07:30:00Z)")
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Bound {
+    Instant(DateTime<Utc>),
+    /// A local date and the instant its day starts.
+    Date(NaiveDate, DateTime<Utc>),
+}
+
+impl Bound {
+    pub fn start(self) -> DateTime<Utc> {
+        match self {
+            Bound::Instant(t) | Bound::Date(_, t) => t,
+        }
+    }
+
+    /// The exclusive end when this bound is inclusive: the next day's start,
+    /// or just after the instant.
+    pub fn end_inclusive(self, timeline: &Timeline) -> DateTime<Utc> {
+        match self {
+            Bound::Instant(t) => t + chrono::Duration::microseconds(1),
+            Bound::Date(d, _) => timeline.start_of(d + Days::new(1)),
+        }
+    }
+}
+
+pub fn print_run(run: &Run, tz: Tz, json: bool) {
+    let fire = run.fire_at.format("%Y-%m-%dT%H:%M:%SZ");
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"logical_run": run.logical_run, "fire_at": fire.to_string()})
+        );
+    } else {
+        let local = run
+            .fire_at
+            .with_timezone(&tz)
+            .format("%Y-%m-%d %H:%M:%S %Z");
+        println!("{:<22} {}  ({local})", run.logical_run, fire);
+    }
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    match args.command {
+        SchedulesCommand::Check { path, schedules } => {
+            let dir = path.unwrap_or_else(|| schedules.resolve(ctx));
+            let all = crate::scheduler::spec::load_dir(&dir)?;
+            println!(
+                "{}: {} schedule{} OK",
+                dir.display(),
+                all.len(),
+                if all.len() == 1 { "" } else { "s" }
+            );
+            Ok(())
+        }
+        SchedulesCommand::Preview {
+            name,
+            cron,
+            tz,
+            from,
+            to,
+            json,
+            schedules,
+        } => {
+            let timeline = match (name, cron) {
+                (Some(name), _) => schedules.find(ctx, &name)?.timeline,
+                (None, Some(cron)) => {
+                    let zone = tz.unwrap_or_else(|| "UTC".into());
+                    let tz: Tz = zone.parse().map_err(|_| {
+                        anyhow::anyhow!("unknown time zone `{zone}`; use an IANA name such as Asia/Seoul or UTC")
+                    })?;
+                    Timeline::new(CronExpr::parse(&cron)?, tz)
+                }
+                (None, None) => bail!("name a schedule, or give --cron EXPR (and --tz ZONE)"),
+            };
+            let from = parse_bound(&from, &timeline, "--from")?.start();
+            let to = parse_bound(&to, &timeline, "--to")?.start();
+            if to <= from {
+                bail!("--to must be after --from");
+            }
+            let runs = timeline.runs_between(from, to);
+            for run in &runs {
+                print_run(run, timeline.tz(), json);
+            }
+            Ok(())
+        }
+        SchedulesCommand::List { schedules, json } => {
+            let all = schedules.load(ctx)?;
+            let pool = ctx.pool().await?;
+            let mut conn = pool.acquire().await?;
+            let names: Vec<String> = all.iter().map(|s| s.name.clone()).collect();
+            let cursors = ledger::cursors(&mut conn, &names)
+                .await
+                .context("reading the ledger")?;
+            let emitted = ledger::last_emitted(&mut conn)
+                .await
+                .context("reading the ledger")?;
+            let now = Utc::now();
+            if !json {
+                println!(
+                    "{:<24} {:<16} {:<20} {:<22} {:<22} LAG",
+                    "NAME", "CRON", "ZONE", "NEXT FIRE (UTC)", "LAST EMITTED"
+                );
+            }
+            for s in &all {
+                let cursor = cursors.get(&s.name);
+                let after = cursor.and_then(|c| {
+                    c.last_fire.or(Some(
+                        plan::floor(s, c.first_seen) - chrono::Duration::microseconds(1),
+                    ))
+                });
+                let pending = after.and_then(|a| s.timeline.next_after(a));
+                let lag = pending
+                    .as_ref()
+                    .filter(|r| r.fire_at <= now)
+                    .map(|r| (now - r.fire_at).num_seconds());
+                let next = s
+                    .timeline
+                    .next_after(now)
+                    .map(|r| r.fire_at.format("%Y-%m-%dT%H:%M:%SZ").to_string());
+                let last = emitted.get(&s.name).map(|(run, _)| run.clone());
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "name": s.name, "cron": s.timeline.cron().source(), "timezone": s.timeline.tz().name(),
+                            "enabled": s.enabled, "next_fire_at": next, "last_emitted": last, "lag_seconds": lag.unwrap_or(0),
+                            "synced": cursor.is_some(),
+                        })
+                    );
+                } else {
+                    println!(
+                        "{:<24} {:<16} {:<20} {:<22} {:<22} {}",
+                        s.name,
+                        s.timeline.cron().source(),
+                        s.timeline.tz().name(),
+                        if s.enabled {
+                            next.unwrap_or_else(|| "never".into())
+                        } else {
+                            "disabled".into()
+                        },
+                        last.unwrap_or_else(|| "-".into()),
+                        match (cursor, lag) {
+                            (None, _) => "not synced yet".to_string(),
+                            (_, Some(l)) => format!("{} behind", coarse(l)),
+                            (_, None) => "0s".to_string(),
+                        }
+                    );
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `3d 4h`, `5m 10s`: the two largest units of a span of seconds.
+fn coarse(seconds: i64) -> String {
+    let units = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
+    let mut left = seconds.max(0);
+    let mut parts = Vec::new();
+    for (name, size) in units {
+        if left >= size || (parts.is_empty() && size == 1) {
+            parts.push(format!("{}{name}", left / size));
+            left %= size;
+        }
+        if parts.len() == 2 {
+            break;
+        }
+    }
+    parts.join(" ")
+}
