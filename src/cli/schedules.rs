@@ -8,7 +8,7 @@ use clap::Subcommand;
 use super::{Ctx, SchedulesDir};
 use crate::scheduler::cron::CronExpr;
 use crate::scheduler::timeline::{Run, Timeline};
-use crate::scheduler::{ledger, plan};
+use crate::scheduler::ledger;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -169,16 +169,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             }
             for s in &all {
                 let cursor = cursors.get(&s.name);
-                let after = cursor.and_then(|c| {
-                    c.last_fire.or(Some(
-                        plan::floor(s, c.first_seen) - chrono::Duration::microseconds(1),
-                    ))
-                });
-                let pending = after.and_then(|a| s.timeline.next_after(a));
-                let lag = pending
-                    .as_ref()
-                    .filter(|r| r.fire_at <= now)
-                    .map(|r| (now - r.fire_at).num_seconds());
+                let pending = cursor.and_then(|c| crate::scheduler::ticker::next_of(s, c));
+                let lag = pending.filter(|fire| *fire <= now).map(|fire| (now - fire).num_seconds());
                 let next = s
                     .timeline
                     .next_after(now)

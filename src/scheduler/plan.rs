@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use super::ledger::Cursor;
 use super::spec::{Catchup, Schedule};
 use super::timeline::Run;
 
@@ -47,33 +48,23 @@ pub struct Planned {
     pub decision: Decision,
 }
 
-/// The earliest instant a schedule may fire: its first sync, and its `start`.
-pub fn floor(schedule: &Schedule, first_seen: DateTime<Utc>) -> DateTime<Utc> {
+/// The earliest instant the next run may fire at: just after the last
+/// recorded run, or, for a schedule never run, its first sync; never before
+/// its `start` date.
+pub fn next_from(schedule: &Schedule, cursor: &Cursor) -> DateTime<Utc> {
+    let from = match cursor.last_fire {
+        Some(last) => last + chrono::Duration::microseconds(1),
+        None => cursor.first_seen,
+    };
     match schedule.start {
-        Some(start) => first_seen.max(schedule.timeline.start_of(start)),
-        None => first_seen,
+        Some(start) => from.max(schedule.timeline.start_of(start)),
+        None => from,
     }
 }
 
-/// Runs strictly after `after` (or from `floor` for a schedule never run) up to
-/// and including `now`, at most `limit` of them, in order.
-pub fn due_runs(
-    schedule: &Schedule,
-    after: Option<DateTime<Utc>>,
-    floor: DateTime<Utc>,
-    now: DateTime<Utc>,
-    limit: usize,
-) -> Vec<Run> {
-    let from = match after {
-        Some(last) => (last + chrono::Duration::microseconds(1)).max(floor),
-        None => floor,
-    };
-    runs_in(
-        schedule,
-        from,
-        now + chrono::Duration::microseconds(1),
-        limit,
-    )
+/// Runs from [`next_from`] up to and including `now`, at most `limit`, in order.
+pub fn due_runs(schedule: &Schedule, cursor: &Cursor, now: DateTime<Utc>, limit: usize) -> Vec<Run> {
+    runs_in(schedule, next_from(schedule, cursor), now + chrono::Duration::microseconds(1), limit)
 }
 
 /// Runs with `from <= fire_at < to` on or after the `start` date, at most
@@ -167,7 +158,8 @@ mod tests {
     fn decide(extra: &str, after: &str, now: &str) -> Vec<(String, &'static str, Decision)> {
         let s = schedule(extra);
         let now = at(now);
-        let runs = due_runs(&s, Some(at(after)), at("2000-01-01T00:00:00Z"), now, 1000);
+        let cursor = Cursor { last_fire: Some(at(after)), first_seen: at("2026-11-01T00:00:00Z") };
+        let runs = due_runs(&s, &cursor, now, 1000);
         classify(&s, runs, now, Duration::from_secs(60), true)
             .into_iter()
             .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
@@ -229,19 +221,16 @@ mod tests {
     }
 
     #[test]
-    fn nothing_before_start_or_first_sync() {
+    fn nothing_before_start_nor_before_a_new_schedule_was_first_synced() {
         let s = schedule("start = \"2026-03-04\"");
-        let runs = due_runs(
-            &s,
-            None,
-            floor(&s, at("2026-01-01T00:00:00Z")),
-            at(NOW),
-            100,
-        );
-        let names: Vec<String> = runs.into_iter().map(|r| r.logical_run).collect();
-        assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
-        let first_seen = at("2026-03-04T12:00:00Z");
-        let runs = due_runs(&s, None, floor(&s, first_seen), at(NOW), 100);
-        assert_eq!(runs[0].logical_run, "2026-03-05");
+        let new = |first_seen: &str| Cursor { last_fire: None, first_seen: at(first_seen) };
+        let names = |runs: Vec<Run>| runs.into_iter().map(|r| r.logical_run).collect::<Vec<_>>();
+        let runs = due_runs(&s, &new("2026-01-01T00:00:00Z"), at(NOW), 100);
+        assert_eq!(names(runs), vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
+        let runs = due_runs(&s, &new("2026-03-04T12:00:00Z"), at(NOW), 100);
+        assert_eq!(names(runs)[0], "2026-03-05");
+        // Once it has run (a backfill, say), the last run is the bound, not the first sync.
+        let ran = Cursor { last_fire: Some(at("2026-03-03T17:00:00Z")), first_seen: at("2026-11-01T00:00:00Z") };
+        assert_eq!(names(due_runs(&s, &ran, at(NOW), 100)), vec!["2026-03-05", "2026-03-06"]);
     }
 }

@@ -80,9 +80,7 @@ impl Ticker {
                 if !entry.schedule.enabled || entry.next.is_none_or(|n| n > now) {
                     continue;
                 }
-                let floor = plan::floor(&entry.schedule, entry.cursor.first_seen);
-                let runs =
-                    plan::due_runs(&entry.schedule, entry.cursor.last_fire, floor, now, CHUNK);
+                let runs = plan::due_runs(&entry.schedule, &entry.cursor, now, CHUNK);
                 let complete = runs.len() < CHUNK;
                 advanced.push((i, runs.last().map(|r| r.fire_at)));
                 batch.extend(
@@ -117,9 +115,8 @@ impl Ticker {
     }
 }
 
-fn next_of(schedule: &Schedule, cursor: &Cursor) -> Option<DateTime<Utc>> {
-    let floor = plan::floor(schedule, cursor.first_seen) - chrono::Duration::microseconds(1);
-    let after = cursor.last_fire.map_or(floor, |last| last.max(floor));
+pub(crate) fn next_of(schedule: &Schedule, cursor: &Cursor) -> Option<DateTime<Utc>> {
+    let after = plan::next_from(schedule, cursor) - chrono::Duration::microseconds(1);
     let mut next = schedule.timeline.next_after(after)?;
     // Skip runs dated before `start` (a slot shifted across midnight).
     while schedule.start.is_some_and(|s| next.date < s) {
