@@ -21,7 +21,14 @@ struct Proc {
 impl Proc {
     fn start(url: &str, dir: &PathBuf) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_almanac"))
-            .args(["run", "--roles", "scheduler", "--standby-retry", "300ms", "--schedules"])
+            .args([
+                "run",
+                "--roles",
+                "scheduler",
+                "--standby-retry",
+                "300ms",
+                "--schedules",
+            ])
             .arg(dir)
             .env("DATABASE_URL", url)
             .env("RUST_LOG", "info")
@@ -51,7 +58,9 @@ impl Proc {
     }
 
     async fn exit_code(mut self) -> Option<i32> {
-        tokio::task::spawn_blocking(move || self.child.wait().unwrap().code()).await.unwrap()
+        tokio::task::spawn_blocking(move || self.child.wait().unwrap().code())
+            .await
+            .unwrap()
     }
 }
 
@@ -68,24 +77,44 @@ fn dir_with(test: &str, files: &[(&str, &str)]) -> PathBuf {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doubled(pool: PgPool) {
     let url = common::database_url(&pool);
-    let dir = dir_with("failover", &[("fast.toml", "[every-2s]\ncron = \"*/2 * * * * *\"\nkind = \"tick\"\n")]);
+    let dir = dir_with(
+        "failover",
+        &[(
+            "fast.toml",
+            "[every-2s]\ncron = \"*/2 * * * * *\"\nkind = \"tick\"\n",
+        )],
+    );
     let procs = [Proc::start(&url, &dir), Proc::start(&url, &dir)];
-    eventually("a leader", Duration::from_secs(30), || async { procs.iter().any(|p| p.said("became scheduler leader")) }).await;
-    let leader = procs.iter().position(|p| p.said("became scheduler leader")).unwrap();
-    let standby = 1 - leader;
-    eventually("three runs from the first leader", Duration::from_secs(30), || async {
-        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await >= 3
+    eventually("a leader", Duration::from_secs(30), || async {
+        procs.iter().any(|p| p.said("became scheduler leader"))
     })
+    .await;
+    let leader = procs
+        .iter()
+        .position(|p| p.said("became scheduler leader"))
+        .unwrap();
+    let standby = 1 - leader;
+    eventually(
+        "three runs from the first leader",
+        Duration::from_secs(30),
+        || async { count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await >= 3 },
+    )
     .await;
     assert!(procs[standby].said("another scheduler leads; standing by"));
 
     let [a, b] = procs;
     let (leader, standby) = if leader == 0 { (a, b) } else { (b, a) };
     leader.signal(libc::SIGKILL);
-    let killed_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&pool).await.unwrap();
+    let killed_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(leader.exit_code().await, None, "killed by a signal");
 
-    eventually("the standby to lead", Duration::from_secs(15), || async { standby.said("became scheduler leader") }).await;
+    eventually("the standby to lead", Duration::from_secs(15), || async {
+        standby.said("became scheduler leader")
+    })
+    .await;
     eventually("runs after the failover", Duration::from_secs(30), || async {
         let after: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.schedule_runs WHERE fire_at > $1 + interval '4 seconds'")
             .bind(killed_at)
@@ -98,15 +127,37 @@ async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doub
     standby.signal(libc::SIGTERM);
     assert_eq!(standby.exit_code().await, Some(0));
 
-    let fires: Vec<DateTime<Utc>> = sqlx::query_scalar("SELECT fire_at FROM almanac.schedule_runs ORDER BY fire_at")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    let fires: Vec<DateTime<Utc>> =
+        sqlx::query_scalar("SELECT fire_at FROM almanac.schedule_runs ORDER BY fire_at")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     let span = (*fires.last().unwrap() - fires[0]).num_seconds();
-    assert_eq!(fires.len() as i64, span / 2 + 1, "every 2-second run from first to last, once: {fires:?}");
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE outcome <> 'emitted'").await, 0);
-    assert_eq!(count(&pool, "SELECT count(DISTINCT logical_run) FROM almanac.jobs").await, fires.len() as i64);
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, fires.len() as i64);
+    assert_eq!(
+        fires.len() as i64,
+        span / 2 + 1,
+        "every 2-second run from first to last, once: {fires:?}"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_runs WHERE outcome <> 'emitted'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(DISTINCT logical_run) FROM almanac.jobs"
+        )
+        .await,
+        fires.len() as i64
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        fires.len() as i64
+    );
     // On-time runs are emitted promptly (the median, to tolerate a loaded machine).
     let median: f64 = sqlx::query_scalar(
         "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM recorded_at - fire_at))::float8
@@ -121,29 +172,79 @@ async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doub
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn sighup_reloads_schedules_and_a_bad_file_keeps_the_old_set(pool: PgPool) {
     let url = common::database_url(&pool);
-    let dir = dir_with("reload", &[("a.toml", "[first]\ncron = \"*/2 * * * * *\"\n")]);
+    let dir = dir_with(
+        "reload",
+        &[("a.toml", "[first]\ncron = \"*/2 * * * * *\"\n")],
+    );
     let proc = Proc::start(&url, &dir);
-    eventually("a run of the first schedule", Duration::from_secs(30), || async {
-        count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'").await >= 1
-    })
+    eventually(
+        "a run of the first schedule",
+        Duration::from_secs(30),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'",
+            )
+            .await
+                >= 1
+        },
+    )
     .await;
 
-    std::fs::write(dir.join("b.toml"), "[second]\ncron = \"*/2 * * * * *\"\ntimezone = \"Nowhere/Land\"\n").unwrap();
+    std::fs::write(
+        dir.join("b.toml"),
+        "[second]\ncron = \"*/2 * * * * *\"\ntimezone = \"Nowhere/Land\"\n",
+    )
+    .unwrap();
     proc.signal(libc::SIGHUP);
-    eventually("the reload to be rejected", Duration::from_secs(15), || async { proc.said("schedule reload rejected") }).await;
-    assert!(proc.said("b.toml:3: schedule `second`: unknown time zone `Nowhere/Land`"));
-    let before = count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'").await;
-    eventually("the old set to keep running", Duration::from_secs(15), || async {
-        count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'").await > before
-    })
+    eventually(
+        "the reload to be rejected",
+        Duration::from_secs(15),
+        || async { proc.said("schedule reload rejected") },
+    )
     .await;
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedules WHERE name = 'second'").await, 0);
+    assert!(proc.said("b.toml:3: schedule `second`: unknown time zone `Nowhere/Land`"));
+    let before = count(
+        &pool,
+        "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'",
+    )
+    .await;
+    eventually(
+        "the old set to keep running",
+        Duration::from_secs(15),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'first'",
+            )
+            .await
+                > before
+        },
+    )
+    .await;
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedules WHERE name = 'second'"
+        )
+        .await,
+        0
+    );
 
     std::fs::write(dir.join("b.toml"), "[second]\ncron = \"*/2 * * * * *\"\n").unwrap();
     proc.signal(libc::SIGHUP);
-    eventually("the second schedule to run", Duration::from_secs(15), || async {
-        count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'second'").await >= 1
-    })
+    eventually(
+        "the second schedule to run",
+        Duration::from_secs(15),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'second'",
+            )
+            .await
+                >= 1
+        },
+    )
     .await;
     proc.signal(libc::SIGTERM);
     assert_eq!(proc.exit_code().await, Some(0));
@@ -164,9 +265,15 @@ async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_noth
             .unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
-        let expected = format!("error: {}:3: schedule `nightly`: catchup is `sometimes`; use all, latest or none", dir.join("b.toml").display());
+        let expected = format!(
+            "error: {}:3: schedule `nightly`: catchup is `sometimes`; use all, latest or none",
+            dir.join("b.toml").display()
+        );
         assert!(err.contains(&expected), "{args:?}: {err}");
         assert!(err.contains("nothing from them was applied"), "{err}");
     }
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedules").await, 0);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedules").await,
+        0
+    );
 }

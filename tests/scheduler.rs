@@ -18,7 +18,10 @@ fn schedules(text: &str) -> Vec<Schedule> {
 }
 
 async fn db_now(pool: &PgPool) -> DateTime<Utc> {
-    sqlx::query_scalar("SELECT now()").fetch_one(pool).await.unwrap()
+    sqlx::query_scalar("SELECT now()")
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// schedule -> [(logical_run, source, outcome, has job)]
@@ -57,11 +60,16 @@ cron = "0 3 * * *"
 catchup = "none"
 "#;
     let mut conn = pool.acquire().await.unwrap();
-    let mut ticker = Ticker::load(&mut conn, schedules(text), GRACE).await.unwrap();
+    let mut ticker = Ticker::load(&mut conn, schedules(text), GRACE)
+        .await
+        .unwrap();
     // The first run after the schedules were synced, seen on time.
     let first = ticker.next_wake().unwrap();
     assert!(first > db_now(&pool).await);
-    let on_time = ticker.tick(&mut conn, first + chrono::Duration::seconds(1)).await.unwrap();
+    let on_time = ticker
+        .tick(&mut conn, first + chrono::Duration::seconds(1))
+        .await
+        .unwrap();
     assert_eq!(on_time.emitted, 3);
 
     // Down for six days; back 30 seconds after a run.
@@ -69,35 +77,64 @@ catchup = "none"
     let report = ticker.tick(&mut conn, back).await.unwrap();
     let ledger = ledger(&pool).await;
     let d = |n: i64| day(first + chrono::Duration::days(n));
-    let row = |n: i64, source: &str, outcome: &str| (d(n), source.to_string(), outcome.to_string(), outcome == "emitted");
-    assert_eq!(ledger["all"], vec![
-        row(0, "tick", "emitted"),
-        row(1, "catchup", "skipped_catchup"), // missed by more than the 3-day window
-        row(2, "catchup", "skipped_catchup"),
-        row(3, "catchup", "skipped_catchup"), // 3 days and 30 seconds ago
-
-        row(4, "catchup", "emitted"),
-        row(5, "catchup", "emitted"),
-        row(6, "tick", "emitted"),
-    ]);
-    assert_eq!(ledger["latest"], vec![
-        row(0, "tick", "emitted"),
-        row(1, "catchup", "skipped_catchup"),
-        row(2, "catchup", "skipped_catchup"),
-        row(3, "catchup", "skipped_catchup"),
-        row(4, "catchup", "skipped_catchup"),
-        row(5, "catchup", "skipped_catchup"),
-        row(6, "tick", "emitted"),
-    ]);
+    let row = |n: i64, source: &str, outcome: &str| {
+        (
+            d(n),
+            source.to_string(),
+            outcome.to_string(),
+            outcome == "emitted",
+        )
+    };
+    assert_eq!(
+        ledger["all"],
+        vec![
+            row(0, "tick", "emitted"),
+            row(1, "catchup", "skipped_catchup"), // missed by more than the 3-day window
+            row(2, "catchup", "skipped_catchup"),
+            row(3, "catchup", "skipped_catchup"), // 3 days and 30 seconds ago
+            row(4, "catchup", "emitted"),
+            row(5, "catchup", "emitted"),
+            row(6, "tick", "emitted"),
+        ]
+    );
+    assert_eq!(
+        ledger["latest"],
+        vec![
+            row(0, "tick", "emitted"),
+            row(1, "catchup", "skipped_catchup"),
+            row(2, "catchup", "skipped_catchup"),
+            row(3, "catchup", "skipped_catchup"),
+            row(4, "catchup", "skipped_catchup"),
+            row(5, "catchup", "skipped_catchup"),
+            row(6, "tick", "emitted"),
+        ]
+    );
     assert_eq!(ledger["none"], ledger["latest"]);
-    assert_eq!((report.emitted, report.skipped_catchup), (3 + 1 + 1, 3 + 5 + 5));
+    assert_eq!(
+        (report.emitted, report.skipped_catchup),
+        (3 + 1 + 1, 3 + 5 + 5)
+    );
 
     // Down again, waking up between runs: `latest` emits the most recent missed run.
     let back = first + chrono::Duration::days(9) + chrono::Duration::hours(5);
     ticker.tick(&mut conn, back).await.unwrap();
     let ledger = self::ledger(&pool).await;
-    assert_eq!(ledger["latest"][7..], [row(7, "catchup", "skipped_catchup"), row(8, "catchup", "skipped_catchup"), row(9, "catchup", "emitted")]);
-    assert_eq!(ledger["none"][7..], [row(7, "catchup", "skipped_catchup"), row(8, "catchup", "skipped_catchup"), row(9, "catchup", "skipped_catchup")]);
+    assert_eq!(
+        ledger["latest"][7..],
+        [
+            row(7, "catchup", "skipped_catchup"),
+            row(8, "catchup", "skipped_catchup"),
+            row(9, "catchup", "emitted")
+        ]
+    );
+    assert_eq!(
+        ledger["none"][7..],
+        [
+            row(7, "catchup", "skipped_catchup"),
+            row(8, "catchup", "skipped_catchup"),
+            row(9, "catchup", "skipped_catchup")
+        ]
+    );
 
     // Jobs: one per emitted run, keyed by logical run, due at the fire time.
     let jobs: Vec<(String, String, String, DateTime<Utc>)> = sqlx::query_as(
@@ -106,23 +143,48 @@ catchup = "none"
     .fetch_all(&pool)
     .await
     .unwrap();
-    let emitted = count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE outcome = 'emitted'").await;
+    let emitted = count(
+        &pool,
+        "SELECT count(*) FROM almanac.schedule_runs WHERE outcome = 'emitted'",
+    )
+    .await;
     assert_eq!(jobs.len() as i64, emitted);
-    assert!(jobs.iter().any(|(key, _, _, at)| key == &format!("schedule:all:{}", d(4)) && *at == first + chrono::Duration::days(4)));
-    assert!(jobs.iter().all(|(key, s, run, _)| key == &format!("schedule:{s}:{run}")));
+    assert!(jobs
+        .iter()
+        .any(|(key, _, _, at)| key == &format!("schedule:all:{}", d(4))
+            && *at == first + chrono::Duration::days(4)));
+    assert!(jobs
+        .iter()
+        .all(|(key, s, run, _)| key == &format!("schedule:{s}:{run}")));
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn overlap_skip_records_runs_while_the_previous_job_is_unfinished(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    let mut ticker = Ticker::load(&mut conn, schedules("[sync]\ncron = \"*/5 * * * *\"\noverlap = \"skip\"\n"), GRACE).await.unwrap();
+    let mut ticker = Ticker::load(
+        &mut conn,
+        schedules("[sync]\ncron = \"*/5 * * * *\"\noverlap = \"skip\"\n"),
+        GRACE,
+    )
+    .await
+    .unwrap();
     let first = ticker.next_wake().unwrap();
-    let at = |minutes: i64| first + chrono::Duration::minutes(minutes) + chrono::Duration::seconds(1);
+    let at =
+        |minutes: i64| first + chrono::Duration::minutes(minutes) + chrono::Duration::seconds(1);
     assert_eq!(ticker.tick(&mut conn, at(0)).await.unwrap().emitted, 1);
-    assert_eq!(ticker.tick(&mut conn, at(5)).await.unwrap().skipped_overlap, 1);
-    sqlx::query("UPDATE almanac.jobs SET status = 'dead', finished_at = now()").execute(&pool).await.unwrap();
+    assert_eq!(
+        ticker.tick(&mut conn, at(5)).await.unwrap().skipped_overlap,
+        1
+    );
+    sqlx::query("UPDATE almanac.jobs SET status = 'dead', finished_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
     assert_eq!(ticker.tick(&mut conn, at(10)).await.unwrap().emitted, 1);
-    let outcomes: Vec<String> = ledger(&pool).await["sync"].iter().map(|r| r.2.clone()).collect();
+    let outcomes: Vec<String> = ledger(&pool).await["sync"]
+        .iter()
+        .map(|r| r.2.clone())
+        .collect();
     assert_eq!(outcomes, vec!["emitted", "skipped_overlap", "emitted"]);
 }
 
@@ -137,14 +199,28 @@ async fn two_leaders_ticking_the_same_runs_emit_each_once(pool: PgPool) {
         let now = start + chrono::Duration::minutes(minute) + chrono::Duration::seconds(2);
         let (x, y) = tokio::join!(one.tick(&mut a, now), two.tick(&mut b, now));
         let (x, y) = (x.unwrap(), y.unwrap());
-        assert_eq!(x.emitted + y.emitted, 1, "minute {minute}: emitted by both or neither");
+        assert_eq!(
+            x.emitted + y.emitted,
+            1,
+            "minute {minute}: emitted by both or neither"
+        );
     }
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 30);
-    assert_eq!(count(&pool, "SELECT count(DISTINCT logical_run) FROM almanac.jobs").await, 30);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(DISTINCT logical_run) FROM almanac.jobs"
+        )
+        .await,
+        30
+    );
 }
 
 fn daily() -> Schedule {
-    schedules("[report]\ncron = \"30 2 * * *\"\ntimezone = \"America/New_York\"\nkind = \"nightly\"\n").remove(0)
+    schedules(
+        "[report]\ncron = \"30 2 * * *\"\ntimezone = \"America/New_York\"\nkind = \"nightly\"\n",
+    )
+    .remove(0)
 }
 
 fn at(s: &str) -> DateTime<Utc> {
@@ -156,19 +232,40 @@ async fn backfill_twice_gives_the_same_ledger_and_no_duplicate_job(pool: PgPool)
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-03-01T05:00:00Z"), at("2026-04-01T04:00:00Z"));
-    let dry = backfill::backfill(&mut conn, &s, from, to, true, |_, _| {}).await.unwrap();
+    let dry = backfill::backfill(&mut conn, &s, from, to, true, |_, _| {})
+        .await
+        .unwrap();
     assert_eq!((dry.in_range, dry.emitted), (31, 31));
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await, 0, "a dry run writes nothing");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        0,
+        "a dry run writes nothing"
+    );
 
-    let first = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
+    let first = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
     assert_eq!((first.emitted, first.already_emitted), (31, 0));
     let before = ledger(&pool).await;
-    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
-    assert_eq!((again.emitted, again.emitted_after_skip, again.already_emitted), (0, 0, 31));
+    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            again.emitted,
+            again.emitted_after_skip,
+            again.already_emitted
+        ),
+        (0, 0, 31)
+    );
     assert_eq!(ledger(&pool).await, before);
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 31);
     // The spring-forward day is there once, at 03:30 EDT.
-    let (run_at,): (DateTime<Utc>,) = sqlx::query_as("SELECT run_at FROM almanac.jobs WHERE logical_run = '2026-03-08'").fetch_one(&pool).await.unwrap();
+    let (run_at,): (DateTime<Utc>,) =
+        sqlx::query_as("SELECT run_at FROM almanac.jobs WHERE logical_run = '2026-03-08'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(run_at, at("2026-03-08T07:30:00Z"));
 }
 
@@ -177,14 +274,31 @@ async fn a_backfill_after_retention_deleted_the_jobs_emits_nothing_new(pool: PgP
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-01-01T05:00:00Z"), at("2026-01-11T05:00:00Z"));
-    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
+    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
     // Retention: the finished jobs are deleted; the ledger keeps the runs.
-    sqlx::query("UPDATE almanac.jobs SET status = 'done', finished_at = now()").execute(&pool).await.unwrap();
-    sqlx::query("DELETE FROM almanac.jobs").execute(&pool).await.unwrap();
-    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
+    sqlx::query("UPDATE almanac.jobs SET status = 'done', finished_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM almanac.jobs")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
     assert_eq!((again.emitted, again.already_emitted), (0, 10));
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
-    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE job_id IS NULL").await, 10);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_runs WHERE job_id IS NULL"
+        )
+        .await,
+        10
+    );
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -192,18 +306,52 @@ async fn gaps_finds_holes_and_backfill_fills_them_including_skipped_runs(pool: P
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-02-01T05:00:00Z"), at("2026-02-11T05:00:00Z"));
-    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
-    sqlx::query("DELETE FROM almanac.schedule_runs WHERE logical_run IN ('2026-02-03', '2026-02-07')").execute(&pool).await.unwrap();
-    sqlx::query("DELETE FROM almanac.jobs WHERE logical_run IN ('2026-02-03', '2026-02-07')").execute(&pool).await.unwrap();
+    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
+    sqlx::query(
+        "DELETE FROM almanac.schedule_runs WHERE logical_run IN ('2026-02-03', '2026-02-07')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM almanac.jobs WHERE logical_run IN ('2026-02-03', '2026-02-07')")
+        .execute(&pool)
+        .await
+        .unwrap();
     sqlx::query("UPDATE almanac.schedule_runs SET outcome = 'skipped_catchup', job_id = NULL WHERE logical_run = '2026-02-05'").execute(&pool).await.unwrap();
-    sqlx::query("DELETE FROM almanac.jobs WHERE logical_run = '2026-02-05'").execute(&pool).await.unwrap();
+    sqlx::query("DELETE FROM almanac.jobs WHERE logical_run = '2026-02-05'")
+        .execute(&pool)
+        .await
+        .unwrap();
 
-    let holes: Vec<String> = backfill::gaps(&mut conn, &s, from, to).await.unwrap().into_iter().map(|r| r.logical_run).collect();
-    assert_eq!(holes, vec!["2026-02-03", "2026-02-07"], "a skipped run is accounted for, not a gap");
+    let holes: Vec<String> = backfill::gaps(&mut conn, &s, from, to)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.logical_run)
+        .collect();
+    assert_eq!(
+        holes,
+        vec!["2026-02-03", "2026-02-07"],
+        "a skipped run is accounted for, not a gap"
+    );
 
-    let filled = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {}).await.unwrap();
-    assert_eq!((filled.emitted, filled.emitted_after_skip, filled.already_emitted), (2, 1, 7));
-    assert!(backfill::gaps(&mut conn, &s, from, to).await.unwrap().is_empty());
+    let filled = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            filled.emitted,
+            filled.emitted_after_skip,
+            filled.already_emitted
+        ),
+        (2, 1, 7)
+    );
+    assert!(backfill::gaps(&mut conn, &s, from, to)
+        .await
+        .unwrap()
+        .is_empty());
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE outcome = 'emitted' AND job_id IS NOT NULL").await, 10);
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 10);
 }

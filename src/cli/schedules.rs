@@ -7,8 +7,8 @@ use clap::Subcommand;
 
 use super::{Ctx, SchedulesDir};
 use crate::scheduler::cron::CronExpr;
-use crate::scheduler::timeline::{Run, Timeline};
 use crate::scheduler::ledger;
+use crate::scheduler::timeline::{Run, Timeline};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -170,7 +170,9 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             for s in &all {
                 let cursor = cursors.get(&s.name);
                 let pending = cursor.and_then(|c| crate::scheduler::ticker::next_of(s, c));
-                let lag = pending.filter(|fire| *fire <= now).map(|fire| (now - fire).num_seconds());
+                let lag = pending
+                    .filter(|fire| *fire <= now)
+                    .map(|fire| (now - fire).num_seconds());
                 let next = s
                     .timeline
                     .next_after(now)

@@ -63,8 +63,18 @@ pub fn next_from(schedule: &Schedule, cursor: &Cursor) -> DateTime<Utc> {
 }
 
 /// Runs from [`next_from`] up to and including `now`, at most `limit`, in order.
-pub fn due_runs(schedule: &Schedule, cursor: &Cursor, now: DateTime<Utc>, limit: usize) -> Vec<Run> {
-    runs_in(schedule, next_from(schedule, cursor), now + chrono::Duration::microseconds(1), limit)
+pub fn due_runs(
+    schedule: &Schedule,
+    cursor: &Cursor,
+    now: DateTime<Utc>,
+    limit: usize,
+) -> Vec<Run> {
+    runs_in(
+        schedule,
+        next_from(schedule, cursor),
+        now + chrono::Duration::microseconds(1),
+        limit,
+    )
 }
 
 /// Runs with `from <= fire_at < to` on or after the `start` date, at most
@@ -158,7 +168,10 @@ mod tests {
     fn decide(extra: &str, after: &str, now: &str) -> Vec<(String, &'static str, Decision)> {
         let s = schedule(extra);
         let now = at(now);
-        let cursor = Cursor { last_fire: Some(at(after)), first_seen: at("2026-11-01T00:00:00Z") };
+        let cursor = Cursor {
+            last_fire: Some(at(after)),
+            first_seen: at("2026-11-01T00:00:00Z"),
+        };
         let runs = due_runs(&s, &cursor, now, 1000);
         classify(&s, runs, now, Duration::from_secs(60), true)
             .into_iter()
@@ -223,14 +236,23 @@ mod tests {
     #[test]
     fn nothing_before_start_nor_before_a_new_schedule_was_first_synced() {
         let s = schedule("start = \"2026-03-04\"");
-        let new = |first_seen: &str| Cursor { last_fire: None, first_seen: at(first_seen) };
+        let new = |first_seen: &str| Cursor {
+            last_fire: None,
+            first_seen: at(first_seen),
+        };
         let names = |runs: Vec<Run>| runs.into_iter().map(|r| r.logical_run).collect::<Vec<_>>();
         let runs = due_runs(&s, &new("2026-01-01T00:00:00Z"), at(NOW), 100);
         assert_eq!(names(runs), vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
         let runs = due_runs(&s, &new("2026-03-04T12:00:00Z"), at(NOW), 100);
         assert_eq!(names(runs)[0], "2026-03-05");
         // Once it has run (a backfill, say), the last run is the bound, not the first sync.
-        let ran = Cursor { last_fire: Some(at("2026-03-03T17:00:00Z")), first_seen: at("2026-11-01T00:00:00Z") };
-        assert_eq!(names(due_runs(&s, &ran, at(NOW), 100)), vec!["2026-03-05", "2026-03-06"]);
+        let ran = Cursor {
+            last_fire: Some(at("2026-03-03T17:00:00Z")),
+            first_seen: at("2026-11-01T00:00:00Z"),
+        };
+        assert_eq!(
+            names(due_runs(&s, &ran, at(NOW), 100)),
+            vec!["2026-03-05", "2026-03-06"]
+        );
     }
 }

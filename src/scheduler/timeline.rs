@@ -54,6 +54,10 @@ pub struct Timeline {
 /// within eight years, leap days included.
 const SCAN_DAYS: u64 = 366 * 8 + 2;
 
+/// The most a transition moves the wall clock (tzdb's largest DST shifts are
+/// two hours).
+const MAX_SHIFT: chrono::Duration = chrono::Duration::hours(3);
+
 impl Timeline {
     pub fn new(cron: CronExpr, tz: Tz) -> Self {
         let slots: Vec<NaiveTime> = cron
@@ -97,28 +101,74 @@ impl Timeline {
         }
     }
 
-    /// The instants of one local date's slots, sorted, before logical runs are named.
-    fn instants_on(&self, date: NaiveDate, out: &mut Vec<(DateTime<Utc>, NaiveDate)>) {
+    /// The instants of one local date's slots whose wall time lies within
+    /// `[lo, hi]` (unbounded where `None`), before logical runs are named.
+    fn instants_on(
+        &self,
+        date: NaiveDate,
+        lo: Option<NaiveDateTime>,
+        hi: Option<NaiveDateTime>,
+        out: &mut Vec<(DateTime<Utc>, NaiveDate)>,
+    ) {
         if !self.cron.matches_date(date) {
             return;
         }
-        let fixed = self.cron.is_fixed_time();
-        for slot in &self.slots {
-            let local = date.and_time(*slot);
-            match self.tz.from_local_datetime(&local) {
-                chrono::LocalResult::Single(t) => out.push((t.with_timezone(&Utc), date)),
-                chrono::LocalResult::Ambiguous(first, second) => {
-                    out.push((first.with_timezone(&Utc), date));
-                    if !fixed {
-                        out.push((second.with_timezone(&Utc), date));
-                    }
-                }
-                chrono::LocalResult::None if fixed => {
-                    out.push((self.shift_out_of_gap(local), date))
-                }
-                chrono::LocalResult::None => {}
-            }
+        let first = match lo {
+            Some(lo) if lo.date() > date => return,
+            Some(lo) if lo.date() == date => self.slots.partition_point(|s| *s < lo.time()),
+            _ => 0,
+        };
+        let end = match hi {
+            Some(hi) if hi.date() < date => return,
+            Some(hi) if hi.date() == date => self.slots.partition_point(|s| *s <= hi.time()),
+            _ => self.slots.len(),
+        };
+        for slot in self.slots.get(first..end).unwrap_or_default() {
+            self.resolve(date, *slot, out);
         }
+    }
+
+    /// The instants of one slot on one date, under the module's rules.
+    fn resolve(&self, date: NaiveDate, slot: NaiveTime, out: &mut Vec<(DateTime<Utc>, NaiveDate)>) {
+        let local = date.and_time(slot);
+        let fixed = self.cron.is_fixed_time();
+        match self.tz.from_local_datetime(&local) {
+            chrono::LocalResult::Single(t) => out.push((t.with_timezone(&Utc), date)),
+            chrono::LocalResult::Ambiguous(first, second) => {
+                out.push((first.with_timezone(&Utc), date));
+                if !fixed {
+                    out.push((second.with_timezone(&Utc), date));
+                }
+            }
+            chrono::LocalResult::None if fixed => out.push((self.shift_out_of_gap(local), date)),
+            chrono::LocalResult::None => {}
+        }
+    }
+
+    /// Offsets in force around `t` (a day either side), in seconds.
+    fn offsets_near(&self, t: DateTime<Utc>) -> [i64; 3] {
+        let day = chrono::Duration::days(1);
+        [t - day, t, t + day].map(|at| {
+            i64::from(
+                self.tz
+                    .offset_from_utc_datetime(&at.naive_utc())
+                    .fix()
+                    .local_minus_utc(),
+            )
+        })
+    }
+
+    /// The wall time of `t` at the lowest (or highest) offset near it: every
+    /// slot that can fire at or after (or before) `t` has a wall time past it.
+    fn wall_bound(&self, t: DateTime<Utc>, highest: bool) -> NaiveDateTime {
+        let offsets = self.offsets_near(t);
+        let offset = if highest {
+            offsets.iter().max()
+        } else {
+            offsets.iter().min()
+        };
+        let margin = if highest { 1 } else { -1 };
+        t.naive_utc() + chrono::Duration::seconds(offset.copied().unwrap_or(0) + margin)
     }
 
     /// A wall time inside a gap, read with the offset in force before the gap:
@@ -142,43 +192,58 @@ impl Timeline {
             .collect()
     }
 
-    fn local_date(&self, t: DateTime<Utc>) -> NaiveDate {
-        t.with_timezone(&self.tz).date_naive()
-    }
-
     /// Every run with `from <= fire_at < to`, in order.
     pub fn runs_between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Run> {
         if from >= to {
             return Vec::new();
         }
-        let first = self.local_date(from) - Days::new(1);
-        let last = self.local_date(to) + Days::new(1);
+        let (lo, hi) = (self.wall_bound(from, false), self.wall_bound(to, true));
         let mut instants = Vec::new();
-        let mut date = first;
-        while date <= last {
-            self.instants_on(date, &mut instants);
+        let mut date = lo.date();
+        while date <= hi.date() {
+            self.instants_on(date, Some(lo), Some(hi), &mut instants);
             date = date + Days::new(1);
         }
         instants.retain(|(t, _)| *t >= from && *t < to);
         self.named(instants)
     }
 
-    /// The first run strictly after `t`.
+    /// The first run strictly after `t`. Slots are resolved in wall-clock
+    /// order and the scan stops once the wall clock is [`MAX_SHIFT`] past the
+    /// best candidate: no later slot can fire earlier than that.
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<Run> {
-        let mut date = self.local_date(t) - Days::new(1);
-        let mut instants = Vec::new();
+        let lo = self.wall_bound(t, false);
+        let mut best: Option<((DateTime<Utc>, NaiveDate), NaiveDateTime)> = None;
+        let mut resolved = Vec::with_capacity(2);
+        let mut date = lo.date();
         for _ in 0..SCAN_DAYS {
-            self.instants_on(date, &mut instants);
-            instants.retain(|(fire, _)| *fire > t);
-            if !instants.is_empty() {
-                // A slot shifted out of a late gap may pass the next day's first.
-                self.instants_on(date + Days::new(1), &mut instants);
-                instants.retain(|(fire, _)| *fire > t);
-                return self.named(instants).into_iter().next();
+            if let Some((_, wall)) = best {
+                if date.and_time(NaiveTime::MIN) > wall + MAX_SHIFT {
+                    break;
+                }
+            }
+            if self.cron.matches_date(date) {
+                let first = if lo.date() == date {
+                    self.slots.partition_point(|s| *s < lo.time())
+                } else {
+                    0
+                };
+                for slot in &self.slots[first..] {
+                    if best.is_some_and(|(_, wall)| date.and_time(*slot) > wall + MAX_SHIFT) {
+                        break;
+                    }
+                    resolved.clear();
+                    self.resolve(date, *slot, &mut resolved);
+                    for &(fire, day) in &resolved {
+                        if fire > t && best.is_none_or(|((b, _), _)| fire < b) {
+                            best = Some(((fire, day), fire.with_timezone(&self.tz).naive_local()));
+                        }
+                    }
+                }
             }
             date = date + Days::new(1);
         }
-        None
+        best.and_then(|(found, _)| self.named(vec![found]).into_iter().next())
     }
 
     /// The local midnight that starts `date` (or the first instant of the day
@@ -555,5 +620,57 @@ mod tests {
         );
         let start = ny.start_of(NaiveDate::from_ymd_opt(2026, 3, 8).unwrap());
         assert_eq!(start, at("2026-03-08T05:00:00Z"));
+    }
+
+    /// Narrow windows and next_after agree with one wide enumeration, around
+    /// every transition of every zone under test.
+    #[test]
+    fn windows_and_next_after_agree_with_a_wide_enumeration() {
+        let zones = [
+            "America/New_York",
+            "Europe/London",
+            "Australia/Lord_Howe",
+            "America/Santiago",
+            "Asia/Beirut",
+            "Pacific/Chatham",
+            "Asia/Seoul",
+            "Pacific/Apia",
+        ];
+        let crons = [
+            "30 2 * * *",
+            "*/20 * * * *",
+            "0 0 * * *",
+            "15 1,2,3 * * *",
+            "45 * * * *",
+            "0 */7 * * 1-5",
+        ];
+        let (lo, hi) = (at("2026-03-01T00:00:00Z"), at("2026-11-15T00:00:00Z"));
+        for zone in zones {
+            for cron in crons {
+                let tl = Timeline::new(CronExpr::parse(cron).unwrap(), zone.parse().unwrap());
+                let wide = tl.runs_between(
+                    lo - chrono::Duration::days(3),
+                    hi + chrono::Duration::days(3),
+                );
+                let mut t = lo;
+                while t < hi {
+                    let to = t + chrono::Duration::minutes(97);
+                    let narrow = tl.runs_between(t, to);
+                    let expected: Vec<Run> = wide
+                        .iter()
+                        .filter(|r| r.fire_at >= t && r.fire_at < to)
+                        .cloned()
+                        .collect();
+                    assert_eq!(narrow, expected, "{zone} {cron} [{t}, {to})");
+                    let next = tl.next_after(t);
+                    assert_eq!(
+                        next.as_ref(),
+                        wide.iter().find(|r| r.fire_at > t),
+                        "{zone} {cron} after {t}"
+                    );
+                    t += chrono::Duration::minutes(631);
+                }
+            }
+        }
     }
 }
