@@ -19,3 +19,26 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -n1)" main start
   wait_for PostgreSQL 60 pg_isready -q -h 127.0.0.1 -p 5432
 fi
+
+# RabbitMQ (127.0.0.1:5672, guest/guest).
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+if ! port_open 5672; then
+  echo "services: starting RabbitMQ" >&2
+  rabbitmq-server -detached
+  wait_for RabbitMQ 120 port_open 5672
+fi
+
+# A Kafka-protocol broker: tansu (Apache-2.0, Rust), in memory, on 127.0.0.1:9092.
+if ! port_open 9092; then
+  if ! command -v tansu >/dev/null 2>&1; then
+    echo "services: installing tansu (cargo install, about 16 minutes the first time)" >&2
+    cargo install tansu --locked --features dynostore
+  fi
+  echo "services: starting tansu on 127.0.0.1:9092" >&2
+  mkdir -p target
+  nohup tansu broker \
+    --listener-url tcp://127.0.0.1:9092 \
+    --advertised-listener-url tcp://127.0.0.1:9092 \
+    --storage-engine memory://tansu/ > target/tansu.log 2>&1 &
+  wait_for tansu 60 port_open 9092
+fi

@@ -19,9 +19,11 @@
 
 pub mod cli;
 pub mod config;
+pub mod consumer;
 pub mod db;
 pub mod maintenance;
 pub mod queue;
+pub mod relay;
 pub mod scheduler;
 pub mod supervisor;
 pub mod worker;

@@ -3,11 +3,14 @@
 //! status 1 (2 for usage errors, from clap).
 
 mod backfill;
+mod consume;
 mod enqueue;
 mod jobs;
 mod migrate;
+mod route;
 mod run;
 mod schedules;
+mod sinks;
 mod stats;
 mod work;
 
@@ -51,7 +54,7 @@ enum Command {
     Jobs(jobs::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
     Stats(stats::Args),
-    /// Run the service roles (reaper) until SIGINT/SIGTERM.
+    /// Run the service roles (scheduler, reaper, relay) until SIGINT/SIGTERM.
     Run(run::Args),
     /// Run jobs with shell-command handlers until SIGINT/SIGTERM.
     Work(work::Args),
@@ -61,6 +64,10 @@ enum Command {
     Backfill(backfill::BackfillArgs),
     /// List the logical runs of a schedule that have no ledger row.
     Gaps(backfill::GapsArgs),
+    /// Show or change how each job kind is delivered (db, dual, broker).
+    Route(route::Args),
+    /// Run jobs from Kafka or RabbitMQ messages with shell-command handlers.
+    Consume(consume::Args),
 }
 
 /// `--schedules DIR`, shared by every command that reads schedule files.
@@ -182,6 +189,8 @@ pub async fn main() -> ExitCode {
         Command::Schedules(args) => schedules::run(&ctx, args).await,
         Command::Backfill(args) => backfill::run_backfill(&ctx, args).await,
         Command::Gaps(args) => backfill::run_gaps(&ctx, args).await,
+        Command::Route(args) => route::run(&ctx, args).await,
+        Command::Consume(args) => consume::run(&ctx, args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,17 +3,19 @@
 use anyhow::bail;
 use tokio::sync::mpsc;
 
+use super::sinks::SinkFlags;
 use super::{Ctx, SchedulesDir};
 use crate::config::HumanDuration;
 use crate::maintenance::{Reaper, ReaperConfig};
+use crate::relay::{Publisher, Relay, RelayConfig};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::supervisor::Supervisor;
 
-const ROLES: [&str; 2] = ["scheduler", "reaper"];
+const ROLES: [&str; 3] = ["scheduler", "reaper", "relay"];
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Roles to run, comma-separated [default: scheduler,reaper].
+    /// Roles to run, comma-separated [default: scheduler,reaper, and relay when a sink is configured].
     #[arg(long, env = "ALMANAC_ROLES", value_delimiter = ',')]
     roles: Vec<String>,
     #[command(flatten)]
@@ -24,6 +26,11 @@ pub struct Args {
     /// How often the reaper sweeps expired leases [default: 5s].
     #[arg(long, env = "ALMANAC_REAPER_INTERVAL")]
     reaper_interval: Option<HumanDuration>,
+    /// Broker-route jobs ready this long with no recent message get a fresh one [default: 5m].
+    #[arg(long, env = "ALMANAC_REDRIVE_AFTER")]
+    redrive_after: Option<HumanDuration>,
+    #[command(flatten)]
+    sinks: SinkFlags,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
@@ -82,6 +89,22 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             "reaper",
             Reaper::new(pool.clone(), reaper).run(supervisor.token()),
         );
+    }
+    if wants("relay") {
+        let sinks = args.sinks.resolve();
+        if sinks.configured().is_empty() {
+            bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url");
+        }
+        let defaults = RelayConfig::default();
+        let config = RelayConfig {
+            redrive_after: args.redrive_after.map_or(defaults.redrive_after, |d| d.0),
+            ..defaults
+        };
+        for sink in sinks.configured() {
+            let publisher = Publisher::new(sink, &sinks)?;
+            let relay = Relay::new(pool.clone(), publisher, config.clone());
+            supervisor.spawn("relay", relay.run(supervisor.token()));
+        }
     }
     tracing::info!(roles = %roles.join(","), "almanac running");
     supervisor.run_until_signal().await;

@@ -72,6 +72,35 @@ pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec
     Ok(jobs)
 }
 
+/// Claims one job by id for a broker consumer, through the same fence as
+/// [`claim`]: only a due `ready` job of a handled kind on a `dual` or `broker`
+/// route. `None` means someone else claimed it first, it already finished, or
+/// it is not due yet: the consumer acks the message and skips it.
+pub async fn claim_by_id<'e>(
+    db: impl PgExecutor<'e>,
+    id: i64,
+    kinds: &[String],
+    lease: Duration,
+) -> Result<Option<Job>, QueueError> {
+    Ok(sqlx::query_as::<_, Job>(
+        r#"
+        UPDATE almanac.jobs
+        SET status = 'running',
+            attempts = attempts + 1,
+            lease_token = gen_random_uuid(),
+            lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+        WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind = ANY($2)
+          AND route IN ('dual', 'broker')
+        RETURNING *
+        "#,
+    )
+    .bind(id)
+    .bind(kinds)
+    .bind(millis(lease))
+    .fetch_optional(db)
+    .await?)
+}
+
 /// Marks one job done if its lease is still held and unexpired.
 pub async fn complete<'e>(
     db: impl PgExecutor<'e>,

@@ -44,8 +44,8 @@ pub use admin::{cancel, get, list, retry, stats, JobFilter, KindStatusCount, Sta
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{
-    claim, complete, complete_many, fail, heartbeat_many, reap_expired, release, Claim, Failure,
-    Fenced, ReapReport,
+    claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
+    Claim, Failure, Fenced, ReapReport,
 };
 
 /// Where a job stands in the state machine.

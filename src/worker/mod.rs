@@ -25,6 +25,7 @@
 
 pub mod exec;
 mod runner;
+mod single;
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -36,9 +37,10 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
-use crate::queue::{Backoff, Job};
+use crate::queue::{Backoff, Failure, Job};
 
 pub use runner::WorkerReport;
+pub use single::{execute_claimed, Executed};
 
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send>>;
@@ -230,5 +232,35 @@ impl Worker {
             return Err(WorkerError::Config("no handlers registered".into()));
         }
         Ok(runner::run(self.pool, self.config, self.handlers, shutdown).await)
+    }
+}
+
+/// Runs a handler, turning a panic into a retryable failure.
+pub(crate) async fn invoke(handler: &dyn Handler, ctx: JobContext) -> Result<(), HandlerError> {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(handler.call(ctx))
+        .catch_unwind()
+        .await
+    {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            Err(HandlerError::retry(format!("handler panicked: {message}")))
+        }
+    }
+}
+
+/// What the fence records for a failed attempt: the handler's delay, or the backoff's.
+pub(crate) fn failure_of(err: &HandlerError, attempt: i32, backoff: &Backoff) -> Failure {
+    match err {
+        HandlerError::Permanent { .. } => Failure::Permanent { error: err.chain() },
+        HandlerError::Retry { after, .. } => Failure::Retry {
+            delay: after.unwrap_or_else(|| backoff.delay(attempt)),
+            error: err.chain(),
+        },
     }
 }

@@ -1,12 +1,10 @@
 //! The worker's loops: claim, heartbeat, listen, record outcomes, shut down.
 
 use std::collections::{HashMap, HashSet};
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
@@ -17,7 +15,7 @@ use tracing::{debug, error, info, warn};
 use uuid::Uuid;
 
 use super::{Handler, HandlerError, JobContext, WorkerConfig};
-use crate::queue::{self, Claim, Failure, Fenced, JobStatus, NOTIFY_CHANNEL};
+use crate::queue::{self, Claim, Fenced, JobStatus, NOTIFY_CHANNEL};
 
 /// What a worker did before it stopped.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -178,14 +176,7 @@ pub(super) async fn run(
             running.spawn(async move {
                 let (id, attempt) = (job.id, job.attempts);
                 debug!(job_id = id, kind = %job.kind, attempt, "running");
-                let ctx = JobContext::new(job, cancel);
-                let result = match AssertUnwindSafe(handler.call(ctx)).catch_unwind().await {
-                    Ok(result) => result,
-                    Err(panic) => Err(HandlerError::retry(format!(
-                        "handler panicked: {}",
-                        panic_message(&panic)
-                    ))),
-                };
+                let result = super::invoke(handler.as_ref(), JobContext::new(job, cancel)).await;
                 let _ = outcomes.send(Outcome {
                     id,
                     token,
@@ -312,13 +303,7 @@ async fn record_done(shared: &Shared, done: &[Outcome]) {
 
 async fn record_failure(shared: &Shared, outcome: &Outcome) {
     let Err(err) = &outcome.result else { return };
-    let failure = match err {
-        HandlerError::Permanent { .. } => Failure::Permanent { error: err.chain() },
-        HandlerError::Retry { after, .. } => Failure::Retry {
-            delay: after.unwrap_or_else(|| shared.config.backoff.delay(outcome.attempt)),
-            error: err.chain(),
-        },
-    };
+    let failure = super::failure_of(err, outcome.attempt, &shared.config.backoff);
     let recorded = with_retries("fail", || {
         queue::fail(&shared.pool, outcome.id, outcome.token, &failure)
     })
@@ -444,12 +429,4 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
             }
         }
     }
-}
-
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
 }

@@ -1,0 +1,67 @@
+//! `almanac consume --sink kafka|rabbitmq --destination NAME --handler KIND='COMMAND'`
+
+use anyhow::bail;
+
+use super::sinks::SinkFlags;
+use super::work::WorkerFlags;
+use super::Ctx;
+use crate::consumer::{Consumer, ConsumerConfig};
+use crate::relay::SinkKind;
+use crate::supervisor::Supervisor;
+use crate::worker::exec::{parse_handler_spec, ExecHandler};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(long, env = "ALMANAC_SINK", value_enum)]
+    sink: SinkKind,
+    /// Kafka topic, or RabbitMQ queue.
+    #[arg(long, env = "ALMANAC_DESTINATION")]
+    destination: String,
+    /// Kafka consumer group [default: almanac-DESTINATION].
+    #[arg(long, env = "ALMANAC_GROUP")]
+    group: Option<String>,
+    /// KIND=COMMAND, as for `almanac work`.
+    #[arg(long = "handler", env = "ALMANAC_HANDLERS", value_delimiter = '\n', required = true, value_parser = parse_handler_spec)]
+    handlers: Vec<(String, String)>,
+    #[command(flatten)]
+    worker: WorkerFlags,
+    #[command(flatten)]
+    sinks: SinkFlags,
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    let worker = args.worker.resolve(ctx)?;
+    let timeout = args.worker.command_timeout(ctx);
+    let sinks = args.sinks.resolve();
+    if !sinks.configured().contains(&args.sink) {
+        bail!(
+            "--sink {} needs {}",
+            args.sink,
+            match args.sink {
+                SinkKind::Kafka => "--kafka-brokers (or ALMANAC_KAFKA_BROKERS)",
+                SinkKind::Rabbitmq => "--amqp-url (or ALMANAC_AMQP_URL)",
+            }
+        );
+    }
+    let pool = ctx.migrated_pool(4).await?;
+    let config = ConsumerConfig {
+        sink: args.sink,
+        destination: args.destination,
+        group: args.group,
+        worker,
+    };
+    let mut consumer = Consumer::new(pool, sinks, config);
+    for (kind, command) in args.handlers {
+        consumer = consumer.register(kind, ExecHandler::new(command).timeout(timeout));
+    }
+    let mut supervisor = Supervisor::new();
+    let token = supervisor.token();
+    supervisor.spawn("consumer", async move {
+        match consumer.run(token).await {
+            Ok(report) => tracing::info!(?report, "consumer stopped"),
+            Err(err) => tracing::error!(%err, "consumer stopped"),
+        }
+    });
+    supervisor.run_until_signal().await;
+    Ok(())
+}

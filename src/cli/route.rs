@@ -1,0 +1,107 @@
+//! `almanac route show` and `almanac route set KIND --mode db|dual|broker`
+
+use anyhow::Context as _;
+use clap::Subcommand;
+
+use super::sinks::SinkFlags;
+use super::Ctx;
+use crate::relay::routes::{self, RouteMode};
+use crate::relay::{Publisher, SinkKind};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: RouteCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum RouteCommand {
+    /// Every kind with a route (kinds not listed use db).
+    Show {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a kind's route, live for every running instance.
+    Set {
+        kind: String,
+        #[arg(long, value_enum)]
+        mode: RouteMode,
+        /// Needed for dual and broker unless the kind already has one.
+        #[arg(long, value_enum)]
+        sink: Option<SinkKind>,
+        /// Kafka topic, or RabbitMQ exchange and queue.
+        #[arg(long)]
+        destination: Option<String>,
+        #[command(flatten)]
+        sinks: SinkFlags,
+    },
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    match args.command {
+        RouteCommand::Show { json } => {
+            let pool = ctx.pool().await?;
+            let all = routes::list(&mut *pool.acquire().await?).await?;
+            if json {
+                for route in &all {
+                    println!("{}", serde_json::to_string(route)?);
+                }
+                return Ok(());
+            }
+            println!(
+                "{:<24} {:<7} {:<9} {:<24} UPDATED",
+                "KIND", "MODE", "SINK", "DESTINATION"
+            );
+            for r in &all {
+                println!(
+                    "{:<24} {:<7} {:<9} {:<24} {}",
+                    r.kind,
+                    r.mode,
+                    r.sink.as_deref().unwrap_or("-"),
+                    r.destination.as_deref().unwrap_or("-"),
+                    r.updated_at.format("%Y-%m-%dT%H:%M:%SZ")
+                );
+            }
+            if all.is_empty() {
+                println!("(no routes: every kind runs from the database)");
+            }
+            Ok(())
+        }
+        RouteCommand::Set {
+            kind,
+            mode,
+            sink,
+            destination,
+            sinks,
+        } => {
+            let pool = ctx.migrated_pool(2).await?;
+            let mut conn = pool.acquire().await?;
+            let (sink_kind, dest) =
+                routes::resolve(&mut conn, &kind, mode, sink, destination.as_deref()).await?;
+            // The destination must exist before any job is routed to it.
+            if let (RouteMode::Dual | RouteMode::Broker, Some(sink_kind), Some(dest)) =
+                (mode, sink_kind, &dest)
+            {
+                let mut publisher = Publisher::new(sink_kind, &sinks.resolve())
+                    .context("the route was not changed")?;
+                publisher
+                    .ensure(dest)
+                    .await
+                    .with_context(|| format!("cannot prepare {sink_kind} destination `{dest}`; the route was not changed"))?;
+                publisher.flush().await;
+            }
+            let change = routes::set(&mut conn, &kind, mode, sink_kind, dest.as_deref()).await?;
+            println!(
+                "{kind}: {}{}; {} ready or running job{} moved to it",
+                change.route.mode,
+                match (&change.route.sink, &change.route.destination) {
+                    (Some(s), Some(d)) if mode != RouteMode::Db => format!(" via {s} `{d}`"),
+                    _ => String::new(),
+                },
+                change.jobs_moved,
+                if change.jobs_moved == 1 { "" } else { "s" }
+            );
+            Ok(())
+        }
+    }
+}

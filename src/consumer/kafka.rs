@@ -1,0 +1,94 @@
+//! The Kafka side of a consumer: one message at a time, offset committed
+//! after the job's outcome is recorded.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{Consumer, JOB_ID_HEADER};
+use crate::relay::kafka::{admin, ensure_topic};
+use crate::relay::{SinkError, SinkKind};
+
+pub(super) async fn run(
+    consumer: Arc<Consumer>,
+    shutdown: CancellationToken,
+) -> Result<(), SinkError> {
+    let brokers = consumer
+        .sinks
+        .kafka_brokers
+        .clone()
+        .ok_or(SinkError::NotConfigured {
+            sink: SinkKind::Kafka,
+            flag: "--kafka-brokers (or ALMANAC_KAFKA_BROKERS)",
+        })?;
+    let topic = consumer.config.destination.clone();
+    let group = consumer
+        .config
+        .group
+        .clone()
+        .unwrap_or_else(|| format!("almanac-{topic}"));
+    ensure_topic(
+        &admin(&brokers)?,
+        &topic,
+        consumer.sinks.kafka_partitions,
+        consumer.sinks.kafka_replication,
+        consumer.sinks.ack_timeout,
+    )
+    .await?;
+    let stream: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .map_err(|e| {
+            SinkError::Broker(format!("cannot create a Kafka consumer for {brokers}: {e}"))
+        })?;
+    stream.subscribe(&[&topic]).map_err(|e| {
+        SinkError::Broker(format!("cannot subscribe to Kafka topic `{topic}`: {e}"))
+    })?;
+    info!(%topic, %group, "Kafka consumer started");
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            message = stream.recv() => message,
+        };
+        let message = match message {
+            Ok(message) => message,
+            Err(err) => {
+                warn!(%err, %topic, "Kafka receive failed; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                }
+            }
+        };
+        let job_id = message.headers().and_then(|headers| {
+            headers
+                .iter()
+                .find(|h| h.key == JOB_ID_HEADER)
+                .and_then(|h| h.value)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|v| v.parse::<i64>().ok())
+        });
+        if consumer
+            .handle_until_done(job_id, &shutdown)
+            .await
+            .is_none()
+        {
+            break;
+        }
+        if let Err(err) = stream.commit_message(&message, CommitMode::Async) {
+            warn!(%err, %topic, "Kafka offset commit failed; the message may be delivered again");
+        }
+    }
+    let _ = stream.commit_consumer_state(CommitMode::Sync);
+    info!(%topic, "Kafka consumer stopped");
+    Ok(())
+}

@@ -1,0 +1,123 @@
+//! The RabbitMQ side of a consumer: up to `concurrency` deliveries at once
+//! (the prefetch), each acked after its job's outcome is recorded; an
+//! explicit reconnect loop with backoff.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{Consumer, JOB_ID_HEADER};
+use crate::relay::rabbitmq::{connect, declare};
+use crate::relay::sink::redact_url;
+use crate::relay::{SinkError, SinkKind};
+
+fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
+    let value = headers.as_ref()?.inner().get(JOB_ID_HEADER)?;
+    match value {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
+        AMQPValue::LongLongInt(n) => Some(*n),
+        _ => None,
+    }
+}
+
+pub(super) async fn run(
+    consumer: Arc<Consumer>,
+    shutdown: CancellationToken,
+) -> Result<(), SinkError> {
+    let url = consumer
+        .sinks
+        .amqp_url
+        .clone()
+        .ok_or(SinkError::NotConfigured {
+            sink: SinkKind::Rabbitmq,
+            flag: "--amqp-url (or ALMANAC_AMQP_URL)",
+        })?;
+    let queue = consumer.config.destination.clone();
+    let prefetch = consumer.config.worker.concurrency.min(u16::MAX as usize) as u16;
+    let mut running = JoinSet::new();
+    let mut pause = Duration::from_millis(200);
+    'connect: while !shutdown.is_cancelled() {
+        let session = async {
+            let (conn, channel) = connect(&url, consumer.sinks.ack_timeout).await?;
+            let setup = async {
+                declare(&channel, &queue).await?;
+                channel
+                    .basic_qos(prefetch, BasicQosOptions::default())
+                    .await?;
+                channel
+                    .basic_consume(
+                        &queue,
+                        "almanac",
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+            };
+            let deliveries = setup.await.map_err(|e| {
+                SinkError::Broker(format!("cannot consume RabbitMQ queue `{queue}`: {e}"))
+            })?;
+            Ok::<_, SinkError>((conn, channel, deliveries))
+        };
+        let (conn, _channel, mut deliveries) = match session.await {
+            Ok(session) => session,
+            Err(err) => {
+                warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(10));
+                continue;
+            }
+        };
+        pause = Duration::from_millis(200);
+        info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => break 'connect,
+                next = deliveries.next() => next,
+            };
+            while running.try_join_next().is_some() {}
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(err)) => {
+                    warn!(%err, "RabbitMQ delivery failed; reconnecting");
+                    break;
+                }
+                None => {
+                    warn!("RabbitMQ consumer stream ended; reconnecting");
+                    break;
+                }
+            };
+            let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+            running.spawn(async move {
+                let id = job_id(delivery.properties.headers());
+                if consumer.handle_until_done(id, &shutdown).await.is_some() {
+                    if let Err(err) = delivery.ack(BasicAckOptions::default()).await {
+                        warn!(%err, job_id = id, "RabbitMQ ack failed; the message will be delivered again");
+                    }
+                }
+            });
+        }
+        let _ = conn.close(200, "reconnecting").await;
+    }
+    // Let deliveries in hand finish within the worker's shutdown deadline.
+    let deadline = consumer.config.worker.shutdown_deadline;
+    if tokio::time::timeout(deadline, async {
+        while running.join_next().await.is_some() {}
+    })
+    .await
+    .is_err()
+    {
+        running.abort_all();
+    }
+    info!(%queue, "RabbitMQ consumer stopped");
+    Ok(())
+}
