@@ -68,12 +68,25 @@ struct Counters {
     skipped: AtomicU64,
 }
 
+/// A live view of a running consumer's counts.
+#[derive(Clone)]
+pub struct Progress(Arc<Counters>);
+
+impl Progress {
+    pub fn report(&self) -> ConsumerReport {
+        ConsumerReport {
+            executed: self.0.executed.load(Ordering::Relaxed),
+            skipped: self.0.skipped.load(Ordering::Relaxed),
+        }
+    }
+}
+
 pub struct Consumer {
     pool: PgPool,
     sinks: SinkConfig,
     config: ConsumerConfig,
     handlers: HashMap<String, Arc<dyn Handler>>,
-    counters: Counters,
+    counters: Arc<Counters>,
 }
 
 /// What became of one message.
@@ -90,13 +103,18 @@ impl Consumer {
             sinks,
             config,
             handlers: HashMap::new(),
-            counters: Counters::default(),
+            counters: Arc::default(),
         }
     }
 
     pub fn register(mut self, kind: impl Into<String>, handler: impl Handler) -> Self {
         self.handlers.insert(kind.into(), Arc::new(handler));
         self
+    }
+
+    /// Counts that keep updating while [`Consumer::run`] runs.
+    pub fn progress(&self) -> Progress {
+        Progress(self.counters.clone())
     }
 
     fn kinds(&self) -> Vec<String> {
@@ -155,9 +173,6 @@ impl Consumer {
             SinkKind::Kafka => kafka::run(this.clone(), shutdown).await?,
             SinkKind::Rabbitmq => rabbitmq::run(this.clone(), shutdown).await?,
         }
-        Ok(ConsumerReport {
-            executed: this.counters.executed.load(Ordering::Relaxed),
-            skipped: this.counters.skipped.load(Ordering::Relaxed),
-        })
+        Ok(Progress(this.counters.clone()).report())
     }
 }

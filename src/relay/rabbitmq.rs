@@ -176,19 +176,31 @@ impl RabbitPublisher {
                 Ok(pending) => match tokio::time::timeout(self.ack_timeout, pending).await {
                     Err(_) => {
                         broken = true;
-                        Err(format!("no publisher confirm within {:?} (maybe sent)", self.ack_timeout))
+                        Err(format!(
+                            "no publisher confirm within {:?} (maybe sent)",
+                            self.ack_timeout
+                        ))
                     }
                     Ok(Err(e)) => {
                         broken = true;
                         Err(format!("RabbitMQ confirm failed: {e}"))
                     }
                     Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-                    Ok(Ok(Confirmation::Ack(Some(returned)))) | Ok(Ok(Confirmation::Nack(Some(returned)))) => Err(format!(
+                    Ok(Ok(Confirmation::Ack(Some(returned))))
+                    | Ok(Ok(Confirmation::Nack(Some(returned)))) => {
+                        // Declare again before the next try: the queue or binding may be gone.
+                        self.ensured.remove(returned.delivery.exchange.as_str());
+                        Err(format!(
                         "RabbitMQ returned the message as unroutable ({} {}): is a queue bound to exchange `{}`?",
                         returned.reply_code, returned.reply_text, returned.delivery.exchange
-                    )),
-                    Ok(Ok(Confirmation::Nack(None))) => Err("RabbitMQ nacked the message".to_string()),
-                    Ok(Ok(Confirmation::NotRequested)) => Err("publisher confirms are off on this channel".to_string()),
+                    ))
+                    }
+                    Ok(Ok(Confirmation::Nack(None))) => {
+                        Err("RabbitMQ nacked the message".to_string())
+                    }
+                    Ok(Ok(Confirmation::NotRequested)) => {
+                        Err("publisher confirms are off on this channel".to_string())
+                    }
                 },
             };
             results.push(result);

@@ -2,6 +2,8 @@
 //! execution log table, and the URL of a `#[sqlx::test]` database.
 #![allow(dead_code)]
 
+pub mod brokers;
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 

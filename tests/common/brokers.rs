@@ -1,0 +1,277 @@
+//! Broker helpers: addresses (from the environment, with local defaults),
+//! unique destinations, raw readers, a pausable TCP proxy, a private tansu.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use almanac::relay::{SinkConfig, SinkKind};
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+pub fn kafka_brokers() -> String {
+    std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("ALMANAC_TEST_AMQP")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn unique(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("almanac-test-{name}-{}-{nanos}", std::process::id())
+}
+
+pub fn sinks() -> SinkConfig {
+    SinkConfig {
+        kafka_brokers: Some(kafka_brokers()),
+        amqp_url: Some(amqp_url()),
+        kafka_partitions: 2,
+        kafka_replication: 1,
+        ack_timeout: Duration::from_secs(3),
+    }
+}
+
+/// A message as a broker client sees it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// Kafka key, or RabbitMQ message_id.
+    pub key: String,
+    pub headers: BTreeMap<String, String>,
+    pub payload: serde_json::Value,
+}
+
+/// Reads `expect` messages (or what arrives before `within` passes).
+pub async fn read(
+    sink: SinkKind,
+    destination: &str,
+    expect: usize,
+    within: Duration,
+) -> Vec<Received> {
+    match sink {
+        SinkKind::Kafka => read_kafka(destination, expect, within).await,
+        SinkKind::Rabbitmq => read_rabbit(destination, expect, within).await,
+    }
+}
+
+async fn read_kafka(topic: &str, expect: usize, within: Duration) -> Vec<Received> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_brokers())
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let start = Instant::now();
+    let mut out = Vec::new();
+    while out.len() < expect && start.elapsed() < within {
+        let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(500), consumer.recv()).await
+        else {
+            continue;
+        };
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_string(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(Received {
+            key: String::from_utf8_lossy(m.key().unwrap_or_default()).to_string(),
+            headers,
+            payload: serde_json::from_slice(m.payload().unwrap_or_default()).unwrap(),
+        });
+    }
+    out
+}
+
+async fn read_rabbit(queue: &str, expect: usize, within: Duration) -> Vec<Received> {
+    let conn = lapin::Connection::connect(&amqp_url(), Default::default())
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    let mut deliveries = channel
+        .basic_consume(
+            queue,
+            &unique("reader"),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut out = Vec::new();
+    while out.len() < expect && start.elapsed() < within {
+        let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await
+        else {
+            continue;
+        };
+        let headers = d
+            .properties
+            .headers()
+            .as_ref()
+            .map(|t| {
+                t.inner()
+                    .iter()
+                    .map(|(k, v)| {
+                        let v = match v {
+                            AMQPValue::LongString(s) => {
+                                String::from_utf8_lossy(s.as_bytes()).to_string()
+                            }
+                            other => format!("{other:?}"),
+                        };
+                        (k.to_string(), v)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(Received {
+            key: d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default(),
+            headers,
+            payload: serde_json::from_slice(&d.data).unwrap(),
+        });
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = conn.close(200, "done").await;
+    out
+}
+
+/// A TCP proxy that can cut every connection and refuse new ones.
+pub struct Proxy {
+    pub port: u16,
+    target: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, target, stop.clone()));
+        Proxy { port, target, stop }
+    }
+
+    /// The broker "goes away": connections drop, new ones are refused.
+    pub fn cut(&mut self) {
+        self.stop.cancel();
+    }
+
+    /// The broker is back on the same port.
+    pub async fn restore(&mut self) {
+        let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
+        self.stop = CancellationToken::new();
+        tokio::spawn(serve(listener, self.target, self.stop.clone()));
+    }
+}
+
+async fn serve(listener: TcpListener, target: SocketAddr, stop: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((mut inbound, _)) = accepted else {
+            continue;
+        };
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let Ok(mut outbound) = TcpStream::connect(target).await else {
+                return;
+            };
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+            }
+        });
+    }
+}
+
+/// A tansu broker of the test's own, on a free port, that can be stopped
+/// and started again (in memory: a restart forgets its topics).
+pub struct Tansu {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Tansu {
+    pub async fn start() -> Tansu {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut tansu = Tansu { port, child: None };
+        tansu.up().await;
+        tansu
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub async fn up(&mut self) {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let child = Command::new("tansu")
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tansu on PATH (scripts/services.sh installs it)");
+        self.child = Some(child);
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", self.port)).await.is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "tansu did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn down(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        self.down();
+    }
+}

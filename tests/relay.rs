@@ -1,0 +1,316 @@
+//! The outbox relay and broker consumers against the real brokers: one
+//! generic body per behaviour, run for Kafka (tansu) and for RabbitMQ.
+
+mod common;
+
+use std::time::Duration;
+
+use almanac::consumer::{Consumer, ConsumerConfig};
+use almanac::queue::{self, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::{Failpoint, Publisher, Relay, RelayConfig, RelayError, SinkConfig, SinkKind};
+use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use common::brokers::{self, unique};
+use common::{count, eventually, log_exec};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+fn relay_config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 100,
+        poll_interval: Duration::from_millis(50),
+        retry: almanac::queue::Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(500),
+            jitter: 0.2,
+        },
+        ..RelayConfig::default()
+    }
+}
+
+fn worker_config() -> WorkerConfig {
+    WorkerConfig {
+        concurrency: 8,
+        batch_size: 8,
+        lease: Duration::from_secs(10),
+        poll_interval: Duration::from_millis(50),
+        shutdown_deadline: Duration::from_secs(5),
+        ..WorkerConfig::default()
+    }
+}
+
+/// Routes `kind` to a fresh destination on `sink`, making sure it exists.
+async fn route(
+    pool: &PgPool,
+    kind: &str,
+    mode: RouteMode,
+    sink: SinkKind,
+    sinks: &SinkConfig,
+) -> String {
+    let destination = unique(kind);
+    let mut publisher = Publisher::new(sink, sinks).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(&mut conn, kind, mode, Some(sink), Some(&destination))
+        .await
+        .unwrap();
+    destination
+}
+
+async fn unpublished(pool: &PgPool) -> i64 {
+    count(
+        pool,
+        "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL",
+    )
+    .await
+}
+
+/// A handler that logs each execution (worker id 0 = worker, 1 = consumer).
+fn logging(
+    pool: PgPool,
+    who: i32,
+) -> impl Fn(
+    JobContext,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>
+       + Send
+       + Sync
+       + 'static {
+    move |ctx: JobContext| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            log_exec(&pool, ctx.job.id, ctx.job.attempts, who).await;
+            Ok(())
+        })
+    }
+}
+
+fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.to_string(),
+        group: None,
+        worker: worker_config(),
+    };
+    Consumer::new(pool.clone(), brokers::sinks(), config).register("task", logging(log, 1))
+}
+
+async fn assert_each_job_ran_once(pool: &PgPool, jobs: i64) {
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'"
+        )
+        .await,
+        jobs
+    );
+    assert_eq!(
+        count(pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        jobs
+    );
+    assert_eq!(
+        count(pool, "SELECT count(*) FROM exec_log").await,
+        jobs,
+        "a job ran twice"
+    );
+}
+
+// ---- every row published with its key, headers and id ----
+
+async fn publishes_every_row_with_key_headers_and_id(pool: PgPool, sink: SinkKind) {
+    let sinks = brokers::sinks();
+    let destination = route(&pool, "task", RouteMode::Broker, sink, &sinks).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let mut jobs = Vec::new();
+    for i in 0..25 {
+        let mut job = NewJob::new("task")
+            .payload(serde_json::json!({"n": i}))
+            .idempotency_key(format!("task:{i}"));
+        job.logical_run = Some(format!("2026-12-{:02}", i % 28 + 1));
+        jobs.push(job);
+    }
+    let ids: Vec<i64> = queue::enqueue_many(&mut conn, &jobs)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id())
+        .collect();
+    assert_eq!(
+        unpublished(&pool).await,
+        25,
+        "enqueue wrote one outbox row per job"
+    );
+
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &sinks).unwrap(),
+        relay_config(),
+    );
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.published, report.failed), (25, 0));
+    assert_eq!(unpublished(&pool).await, 0);
+
+    let mut got = brokers::read(sink, &destination, 25, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 25);
+    got.sort_by_key(|m| m.payload["n"].as_i64());
+    for (i, m) in got.iter().enumerate() {
+        assert_eq!(m.key, format!("task:{i}"));
+        assert_eq!(m.payload, serde_json::json!({"n": i}));
+        assert_eq!(m.headers["almanac-job-id"], ids[i].to_string());
+        assert_eq!(m.headers["almanac-kind"], "task");
+        assert_eq!(m.headers["almanac-attempt"], "1");
+        assert_eq!(
+            m.headers["almanac-logical-run"],
+            format!("2026-12-{:02}", i % 28 + 1)
+        );
+    }
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_relay_publishes_every_row_with_key_and_headers(pool: PgPool) {
+    publishes_every_row_with_key_headers_and_id(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_relay_publishes_every_row_with_message_id_and_headers(pool: PgPool) {
+    publishes_every_row_with_key_headers_and_id(pool, SinkKind::Rabbitmq).await;
+}
+
+// ---- crash between the broker's ack and the mark ----
+
+async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: SinkKind) {
+    common::create_exec_log(&pool).await;
+    let sinks = brokers::sinks();
+    let destination = route(&pool, "task", RouteMode::Broker, sink, &sinks).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let batch: Vec<NewJob> = (0..10)
+        .map(|i| NewJob::new("task").idempotency_key(format!("crash:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+
+    let crashing = RelayConfig {
+        failpoint: Some(Failpoint::AfterPublishBeforeMark),
+        ..relay_config()
+    };
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &sinks).unwrap(),
+        crashing,
+    );
+    assert!(matches!(
+        relay.run_once().await,
+        Err(RelayError::Failpoint(_))
+    ));
+    assert_eq!(unpublished(&pool).await, 10, "nothing was marked");
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &sinks).unwrap(),
+        relay_config(),
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, 10);
+
+    let stop = CancellationToken::new();
+    let log = common::log_pool(&pool, 4).await;
+    let consumer = consumer(&pool, sink, &destination, log);
+    let progress = consumer.progress();
+    let running = tokio::spawn(consumer.run(stop.clone()));
+    // Both copies of every message are consumed: ten run, ten are skipped.
+    eventually(
+        "both copies of every message",
+        Duration::from_secs(60),
+        || async {
+            let r = progress.report();
+            r.executed + r.skipped == 20
+        },
+    )
+    .await;
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(report.executed, 10);
+    assert_eq!(report.skipped, 10, "each duplicate found its job done");
+    assert_each_job_ran_once(&pool, 10).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_crash_between_ack_and_mark_runs_each_job_once(pool: PgPool) {
+    a_crash_after_ack_delivers_twice_and_runs_once(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_crash_between_ack_and_mark_runs_each_job_once(pool: PgPool) {
+    a_crash_after_ack_delivers_twice_and_runs_once(pool, SinkKind::Rabbitmq).await;
+}
+
+// ---- dual mode: workers and consumers race for 5,000 jobs ----
+
+async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind) {
+    common::create_exec_log(&pool).await;
+    let sinks = brokers::sinks();
+    let destination = route(&pool, "task", RouteMode::Dual, sink, &sinks).await;
+    let log = common::log_pool(&pool, 8).await;
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &sinks).unwrap(),
+        relay_config(),
+    );
+    let relay = tokio::spawn(relay.run(stop.clone()));
+    for _ in 0..2 {
+        let worker =
+            Worker::new(pool.clone(), worker_config()).register("task", logging(log.clone(), 0));
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            worker
+                .run(stop)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }));
+    }
+    let consumers: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(consumer(&pool, sink, &destination, log.clone()).run(stop.clone())))
+        .collect();
+    let mut conn = pool.acquire().await.unwrap();
+    for chunk in 0..10 {
+        let batch: Vec<NewJob> = (0..500)
+            .map(|i| NewJob::new("task").idempotency_key(format!("race:{}", chunk * 500 + i)))
+            .collect();
+        queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    }
+    eventually("5,000 jobs done", Duration::from_secs(240), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == 5000
+    })
+    .await;
+    eventually("the outbox to drain", Duration::from_secs(60), || async {
+        unpublished(&pool).await == 0
+    })
+    .await;
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let mut by_consumers = 0;
+    for c in consumers {
+        by_consumers += c.await.unwrap().unwrap().executed;
+    }
+    relay.await.unwrap();
+    assert_each_job_ran_once(&pool, 5000).await;
+    let by_workers = count(&pool, "SELECT count(*) FROM exec_log WHERE worker = 0").await;
+    assert_eq!(by_workers + by_consumers as i64, 5000);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_dual_mode_race_runs_every_job_exactly_once(pool: PgPool) {
+    dual_mode_race_runs_every_job_exactly_once(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_dual_mode_race_runs_every_job_exactly_once(pool: PgPool) {
+    dual_mode_race_runs_every_job_exactly_once(pool, SinkKind::Rabbitmq).await;
+}
