@@ -3,7 +3,8 @@
 //! run. A row counts as published only when its delivery report succeeds; a
 //! failed or timed-out delivery is "maybe sent", and the row stays
 //! unpublished (a second copy is harmless: consumers claim through the fence).
-//! After a fatal producer error the producer is recreated.
+//! After failed deliveries (a fatal error among them) the producer is
+//! recreated.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -142,12 +143,15 @@ impl KafkaPublisher {
         if results.iter().any(Result::is_err) {
             // Topics may have been deleted behind our back; check them again.
             self.ensured.clear();
+            // A broker that came back may not know this idempotent producer's
+            // id and sequence numbers, and librdkafka can stay wedged on them;
+            // every delivery is settled here, so a fresh producer costs nothing.
             if let Some((code, reason)) = self.producer.client().fatal_error() {
-                warn!(?code, %reason, "Kafka producer hit a fatal error; recreating it");
-                match producer(&self.brokers, self.ack_timeout) {
-                    Ok(fresh) => self.producer = fresh,
-                    Err(err) => warn!(%err, "recreating the Kafka producer failed; will retry"),
-                }
+                warn!(?code, %reason, "Kafka producer hit a fatal error");
+            }
+            match producer(&self.brokers, self.ack_timeout) {
+                Ok(fresh) => self.producer = fresh,
+                Err(err) => warn!(%err, "recreating the Kafka producer failed; will retry"),
             }
         }
         results
