@@ -94,7 +94,7 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     };
     enqueued(300).await;
     routes::set(
-        &mut *pool.acquire().await.unwrap(),
+        &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Dual,
         Some(sink),
@@ -104,7 +104,7 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     .unwrap();
     enqueued(800).await;
     let change = routes::set(
-        &mut *pool.acquire().await.unwrap(),
+        &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
         None,

@@ -57,7 +57,7 @@ async fn broker_outage_loses_nothing<C, R>(
     let mut publisher = Publisher::new(sink, &sinks).unwrap();
     publisher.ensure(&destination).await.unwrap();
     routes::set(
-        &mut *pool.acquire().await.unwrap(),
+        &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
         Some(sink),
@@ -157,7 +157,7 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
     let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
     publisher.ensure(&destination).await.unwrap();
     routes::set(
-        &mut *pool.acquire().await.unwrap(),
+        &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
         Some(SinkKind::Rabbitmq),
@@ -205,7 +205,7 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
     let sink = SinkKind::Rabbitmq;
     let destination = unique("redrive");
     routes::set(
-        &mut *pool.acquire().await.unwrap(),
+        &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
         Some(sink),

@@ -112,7 +112,7 @@ pub enum SinkError {
 /// acknowledged it.
 pub enum Publisher {
     Kafka(KafkaPublisher),
-    Rabbit(RabbitPublisher),
+    Rabbit(Box<RabbitPublisher>),
 }
 
 impl Publisher {
@@ -133,7 +133,7 @@ impl Publisher {
                     sink,
                     flag: "--amqp-url (or ALMANAC_AMQP_URL)",
                 })?;
-                Publisher::Rabbit(RabbitPublisher::new(url, config))
+                Publisher::Rabbit(Box::new(RabbitPublisher::new(url, config)))
             }
         })
     }

@@ -1,0 +1,171 @@
+//! Relay throughput next to a raw client sending the same messages to the
+//! same broker in the same run (not a timed test).
+//!
+//! `cargo bench --bench relay` with tansu on 127.0.0.1:9092 and RabbitMQ on
+//! 127.0.0.1:5672 (`scripts/services.sh` starts both). Uses a scratch database.
+
+use std::time::{Duration, Instant};
+
+use almanac::queue::{self, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::{Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::BasicProperties;
+use rdkafka::producer::FutureRecord;
+use rdkafka::util::Timeout;
+use sqlx::Connection;
+
+const MESSAGES: usize = 20_000;
+const BATCH: usize = 500;
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
+    let producer =
+        almanac::relay::kafka::producer(sinks.kafka_brokers.as_deref().unwrap(), sinks.ack_timeout)
+            .unwrap();
+    // Warm up: connect and learn the topic's leaders before timing.
+    producer
+        .send(
+            FutureRecord::to(topic).key("warm-up").payload(body),
+            Timeout::After(Duration::from_secs(10)),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let start = Instant::now();
+    for chunk in 0..MESSAGES / BATCH {
+        let sends = (0..BATCH).map(|i| {
+            let key = format!("raw:{}", chunk * BATCH + i);
+            let producer = &producer;
+            async move {
+                producer
+                    .send(
+                        FutureRecord::to(topic).key(&key).payload(body),
+                        Timeout::After(Duration::from_secs(10)),
+                    )
+                    .await
+                    .map(|_| ())
+                    .map_err(|(e, _)| e)
+            }
+        });
+        for r in futures::future::join_all(sends).await {
+            r.unwrap();
+        }
+    }
+    start.elapsed()
+}
+
+async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
+    let (conn, channel) =
+        almanac::relay::rabbitmq::connect(sinks.amqp_url.as_deref().unwrap(), sinks.ack_timeout)
+            .await
+            .unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let start = Instant::now();
+    for _ in 0..MESSAGES / BATCH {
+        let mut confirms = Vec::new();
+        for _ in 0..BATCH {
+            let props = BasicProperties::default().with_delivery_mode(2);
+            let options = BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            };
+            confirms.push(
+                channel
+                    .basic_publish(queue, queue, options, body, props)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for c in confirms {
+            c.await.unwrap();
+        }
+    }
+    let elapsed = start.elapsed();
+    let _ = conn.close(200, "done").await;
+    elapsed
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let base = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| almanac::config::DEFAULT_DATABASE_URL.into());
+    let (prefix, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL names a database");
+    let name = format!("almanac_bench_relay_{}", std::process::id());
+    let pool = almanac::db::connect_and_migrate(&format!("{prefix}/{name}"), 4).await?;
+    let sinks = SinkConfig {
+        kafka_brokers: Some(
+            std::env::var("ALMANAC_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
+        ),
+        amqp_url: Some(
+            std::env::var("ALMANAC_AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        ),
+        kafka_partitions: 3,
+        ..SinkConfig::default()
+    };
+    let body =
+        serde_json::to_vec(&serde_json::json!({"order": 12345, "note": "benchmark payload"}))?;
+    for sink in [SinkKind::Kafka, SinkKind::Rabbitmq] {
+        let destination = format!("almanac-bench-{}-{}", sink, std::process::id());
+        let kind = format!("bench_{sink}");
+        let mut publisher = Publisher::new(sink, &sinks)?;
+        publisher.ensure(&destination).await?;
+        routes::set(
+            &mut *pool.acquire().await?,
+            &kind,
+            RouteMode::Broker,
+            Some(sink),
+            Some(&destination),
+        )
+        .await?;
+        let jobs: Vec<NewJob> = (0..MESSAGES)
+            .map(|i| {
+                NewJob::new(kind.clone())
+                    .payload(serde_json::json!({"order": 12345, "note": "benchmark payload"}))
+                    .idempotency_key(format!("{sink}:{i}"))
+            })
+            .collect();
+        for chunk in jobs.chunks(1000) {
+            queue::enqueue_many(&mut *pool.acquire().await?, chunk).await?;
+        }
+        let config = RelayConfig {
+            batch_size: BATCH as i64,
+            ..RelayConfig::default()
+        };
+        let mut relay = Relay::new(pool.clone(), publisher, config);
+        let start = Instant::now();
+        let mut published = 0;
+        while published < MESSAGES as u64 {
+            let r = relay.run_once().await?;
+            assert_eq!(r.failed, 0, "publishing failed during the benchmark");
+            published += r.published;
+        }
+        let relayed = start.elapsed();
+        let raw = match sink {
+            SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
+            SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
+        };
+        println!(
+            "{sink:<9} relay {:>7.0} msg/s ({MESSAGES} in {:.2}s)   raw client {:>7.0} msg/s   relay/raw {:.2}",
+            rate(MESSAGES, relayed),
+            relayed.as_secs_f64(),
+            rate(MESSAGES, raw),
+            rate(MESSAGES, relayed) / rate(MESSAGES, raw)
+        );
+    }
+    pool.close().await;
+    let mut admin = sqlx::PgConnection::connect(&base).await?;
+    sqlx::query(&format!("DROP DATABASE \"{name}\""))
+        .execute(&mut admin)
+        .await?;
+    Ok(())
+}
