@@ -29,6 +29,20 @@ pub struct Config {
     pub worker: WorkerSection,
     #[serde(default)]
     pub reaper: ReaperSection,
+    #[serde(default)]
+    pub relay: RelaySection,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelaySection {
+    pub kafka_brokers: Option<String>,
+    /// May hold a password; never logged.
+    pub amqp_url: Option<String>,
+    pub kafka_partitions: Option<i32>,
+    pub kafka_replication: Option<i32>,
+    pub ack_timeout: Option<HumanDuration>,
+    pub redrive_after: Option<HumanDuration>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

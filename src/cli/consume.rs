@@ -32,7 +32,7 @@ pub struct Args {
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let worker = args.worker.resolve(ctx)?;
     let timeout = args.worker.command_timeout(ctx);
-    let sinks = args.sinks.resolve();
+    let sinks = args.sinks.resolve(ctx);
     if !sinks.configured().contains(&args.sink) {
         bail!(
             "--sink {} needs {}",

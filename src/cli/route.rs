@@ -82,7 +82,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             if let (RouteMode::Dual | RouteMode::Broker, Some(sink_kind), Some(dest)) =
                 (mode, sink_kind, &dest)
             {
-                let mut publisher = Publisher::new(sink_kind, &sinks.resolve())
+                let mut publisher = Publisher::new(sink_kind, &sinks.resolve(ctx))
                     .context("the route was not changed")?;
                 publisher
                     .ensure(dest)

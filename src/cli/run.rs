@@ -91,13 +91,16 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         );
     }
     if wants("relay") {
-        let sinks = args.sinks.resolve();
+        let sinks = args.sinks.resolve(ctx);
         if sinks.configured().is_empty() {
             bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url");
         }
         let defaults = RelayConfig::default();
         let config = RelayConfig {
-            redrive_after: args.redrive_after.map_or(defaults.redrive_after, |d| d.0),
+            redrive_after: args
+                .redrive_after
+                .or(ctx.config.relay.redrive_after)
+                .map_or(defaults.redrive_after, |d| d.0),
             ..defaults
         };
         for sink in sinks.configured() {

@@ -1,5 +1,6 @@
 //! Broker flags shared by `run`, `consume` and `route set`.
 
+use super::Ctx;
 use crate::config::HumanDuration;
 use crate::relay::SinkConfig;
 
@@ -23,14 +24,33 @@ pub struct SinkFlags {
 }
 
 impl SinkFlags {
-    pub fn resolve(&self) -> SinkConfig {
+    /// Flags and environment first, then `[relay]` in the config file.
+    pub fn resolve(&self, ctx: &Ctx) -> SinkConfig {
+        let file = &ctx.config.relay;
         let defaults = SinkConfig::default();
         SinkConfig {
-            kafka_brokers: self.kafka_brokers.clone().filter(|s| !s.is_empty()),
-            amqp_url: self.amqp_url.clone().filter(|s| !s.is_empty()),
-            kafka_partitions: self.kafka_partitions.unwrap_or(defaults.kafka_partitions),
-            kafka_replication: self.kafka_replication.unwrap_or(defaults.kafka_replication),
-            ack_timeout: self.ack_timeout.map_or(defaults.ack_timeout, |d| d.0),
+            kafka_brokers: self
+                .kafka_brokers
+                .clone()
+                .or_else(|| file.kafka_brokers.clone())
+                .filter(|s| !s.is_empty()),
+            amqp_url: self
+                .amqp_url
+                .clone()
+                .or_else(|| file.amqp_url.clone())
+                .filter(|s| !s.is_empty()),
+            kafka_partitions: self
+                .kafka_partitions
+                .or(file.kafka_partitions)
+                .unwrap_or(defaults.kafka_partitions),
+            kafka_replication: self
+                .kafka_replication
+                .or(file.kafka_replication)
+                .unwrap_or(defaults.kafka_replication),
+            ack_timeout: self
+                .ack_timeout
+                .or(file.ack_timeout)
+                .map_or(defaults.ack_timeout, |d| d.0),
         }
     }
 }
