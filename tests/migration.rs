@@ -9,33 +9,15 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, RelayConfig, SinkKind};
-use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use almanac::worker::{Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
 use common::brokers::{self, unique};
-use common::{count, eventually, log_exec};
+use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 const WORKER: i32 = 0;
 const CONSUMER: i32 = 1;
-
-fn logging(
-    pool: PgPool,
-    who: i32,
-) -> impl Fn(
-    JobContext,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>
-       + Send
-       + Sync
-       + 'static {
-    move |ctx: JobContext| {
-        let pool = pool.clone();
-        Box::pin(async move {
-            log_exec(&pool, ctx.job.id, ctx.job.attempts, who).await;
-            Ok(())
-        })
-    }
-}
 
 async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     common::create_exec_log(&pool).await;
@@ -51,8 +33,8 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     };
     let log = common::log_pool(&pool, 6).await;
     let stop = CancellationToken::new();
-    let worker =
-        Worker::new(pool.clone(), config.clone()).register("task", logging(log.clone(), WORKER));
+    let worker = Worker::new(pool.clone(), config.clone())
+        .register("task", common::logging_handler(log.clone(), WORKER));
     let worker = tokio::spawn(worker.run(stop.clone()));
     let relay_config = RelayConfig {
         poll_interval: Duration::from_millis(20),
@@ -66,7 +48,7 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
         worker: config,
     };
     let consumer = Consumer::new(pool.clone(), sinks.clone(), consumer_config)
-        .register("task", logging(log.clone(), CONSUMER));
+        .register("task", common::logging_handler(log.clone(), CONSUMER));
     let consumer = tokio::spawn(consumer.run(stop.clone()));
 
     // A producer enqueues 1,500 jobs in small transactions while the route changes.

@@ -9,24 +9,11 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Failpoint, Publisher, Relay, RelayConfig, RelayError, SinkConfig, SinkKind};
-use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use almanac::worker::{Worker, WorkerConfig};
 use common::brokers::{self, unique};
-use common::{count, eventually, log_exec};
+use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-
-fn relay_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: 100,
-        poll_interval: Duration::from_millis(50),
-        retry: almanac::queue::Backoff {
-            base: Duration::from_millis(50),
-            max: Duration::from_millis(500),
-            jitter: 0.2,
-        },
-        ..RelayConfig::default()
-    }
-}
 
 fn worker_config() -> WorkerConfig {
     WorkerConfig {
@@ -66,25 +53,6 @@ async fn unpublished(pool: &PgPool) -> i64 {
     .await
 }
 
-/// A handler that logs each execution (worker id 0 = worker, 1 = consumer).
-fn logging(
-    pool: PgPool,
-    who: i32,
-) -> impl Fn(
-    JobContext,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>
-       + Send
-       + Sync
-       + 'static {
-    move |ctx: JobContext| {
-        let pool = pool.clone();
-        Box::pin(async move {
-            log_exec(&pool, ctx.job.id, ctx.job.attempts, who).await;
-            Ok(())
-        })
-    }
-}
-
 fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
     let config = ConsumerConfig {
         sink,
@@ -92,7 +60,8 @@ fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Co
         group: None,
         worker: worker_config(),
     };
-    Consumer::new(pool.clone(), brokers::sinks(), config).register("task", logging(log, 1))
+    Consumer::new(pool.clone(), brokers::sinks(), config)
+        .register("task", common::logging_handler(log, 1))
 }
 
 async fn assert_each_job_ran_once(pool: &PgPool, jobs: i64) {
@@ -144,7 +113,7 @@ async fn publishes_every_row_with_key_headers_and_id(pool: PgPool, sink: SinkKin
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        relay_config(),
+        brokers::relay_config(),
     );
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.published, report.failed), (25, 0));
@@ -190,7 +159,7 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
 
     let crashing = RelayConfig {
         failpoint: Some(Failpoint::AfterPublishBeforeMark),
-        ..relay_config()
+        ..brokers::relay_config()
     };
     let mut relay = Relay::new(
         pool.clone(),
@@ -205,7 +174,7 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        relay_config(),
+        brokers::relay_config(),
     );
     assert_eq!(relay.run_once().await.unwrap().published, 10);
 
@@ -253,12 +222,12 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
     let relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        relay_config(),
+        brokers::relay_config(),
     );
     let relay = tokio::spawn(relay.run(stop.clone()));
     for _ in 0..2 {
-        let worker =
-            Worker::new(pool.clone(), worker_config()).register("task", logging(log.clone(), 0));
+        let worker = Worker::new(pool.clone(), worker_config())
+            .register("task", common::logging_handler(log.clone(), 0));
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
             worker

@@ -7,23 +7,10 @@ use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
-use almanac::relay::{redrive, Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
+use almanac::relay::{redrive, Publisher, Relay, SinkConfig, SinkKind};
 use common::brokers::{self, unique, Proxy, Tansu};
 use common::count;
 use sqlx::PgPool;
-
-fn relay_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: 100,
-        poll_interval: Duration::from_millis(50),
-        retry: almanac::queue::Backoff {
-            base: Duration::from_millis(50),
-            max: Duration::from_millis(300),
-            jitter: 0.2,
-        },
-        ..RelayConfig::default()
-    }
-}
 
 async fn unpublished(pool: &PgPool) -> i64 {
     count(
@@ -65,7 +52,7 @@ async fn broker_outage_loses_nothing<C, R>(
     )
     .await
     .unwrap();
-    let mut relay = Relay::new(pool.clone(), publisher, relay_config());
+    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
 
     enqueue(&pool, "before", 10).await;
     assert_eq!(relay.run_once().await.unwrap().published, 10);
@@ -176,7 +163,7 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
         .unwrap();
 
     enqueue(&pool, "lost", 3).await;
-    let mut relay = Relay::new(pool.clone(), publisher, relay_config());
+    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.published, report.failed), (0, 3));
     let errors: Vec<String> =

@@ -29,25 +29,6 @@ fn fast(concurrency: usize) -> WorkerConfig {
     }
 }
 
-/// A handler that logs each execution to `exec_log`.
-fn logging(
-    pool: PgPool,
-    worker: i32,
-) -> impl Fn(
-    JobContext,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>
-       + Send
-       + Sync
-       + 'static {
-    move |ctx: JobContext| {
-        let pool = pool.clone();
-        Box::pin(async move {
-            log_exec(&pool, ctx.job.id, ctx.job.attempts, worker).await;
-            Ok(())
-        })
-    }
-}
-
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
     common::create_exec_log(&pool).await;
@@ -65,8 +46,8 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
     let stop = CancellationToken::new();
     let mut workers = Vec::new();
     for w in 0..8 {
-        let worker =
-            Worker::new(shared.clone(), fast(8)).register("burn", logging(shared.clone(), w));
+        let worker = Worker::new(shared.clone(), fast(8))
+            .register("burn", common::logging_handler(shared.clone(), w));
         workers.push(tokio::spawn(worker.run(stop.clone())));
     }
     eventually("every job to be done", Duration::from_secs(240), || async {
@@ -168,7 +149,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
     let stop = CancellationToken::new();
     let survivor = tokio::spawn(
         Worker::new(pool.clone(), fast(2))
-            .register("report", logging(pool.clone(), 2))
+            .register("report", common::logging_handler(pool.clone(), 2))
             .run(stop.clone()),
     );
     eventually(

@@ -44,6 +44,20 @@ pub fn sinks() -> SinkConfig {
     }
 }
 
+/// A relay that polls and retries quickly, for tests.
+pub fn relay_config() -> almanac::relay::RelayConfig {
+    almanac::relay::RelayConfig {
+        batch_size: 100,
+        poll_interval: Duration::from_millis(50),
+        retry: almanac::queue::Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(300),
+            jitter: 0.2,
+        },
+        ..Default::default()
+    }
+}
+
 /// A message as a broker client sees it.
 #[derive(Debug, Clone)]
 pub struct Received {

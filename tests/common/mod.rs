@@ -89,3 +89,23 @@ pub async fn log_pool(pool: &PgPool, max_connections: u32) -> PgPool {
         .await
         .unwrap()
 }
+
+/// A handler that records each execution in `exec_log` as `worker`.
+pub fn logging_handler(
+    pool: PgPool,
+    worker: i32,
+) -> impl Fn(
+    almanac::worker::JobContext,
+) -> std::pin::Pin<
+    Box<dyn Future<Output = Result<(), almanac::worker::HandlerError>> + Send>,
+> + Send
+       + Sync
+       + 'static {
+    move |ctx: almanac::worker::JobContext| {
+        let pool = pool.clone();
+        Box::pin(async move {
+            log_exec(&pool, ctx.job.id, ctx.job.attempts, worker).await;
+            Ok(())
+        })
+    }
+}
