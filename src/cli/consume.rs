@@ -7,7 +7,7 @@ use super::work::WorkerFlags;
 use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
 use crate::relay::SinkKind;
-use crate::supervisor::Supervisor;
+use crate::supervisor::shutdown_signal;
 use crate::worker::exec::{parse_handler_spec, ExecHandler};
 
 #[derive(Debug, clap::Args)]
@@ -54,14 +54,17 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, ExecHandler::new(command).timeout(timeout));
     }
-    let mut supervisor = Supervisor::new();
-    let token = supervisor.token();
-    supervisor.spawn("consumer", async move {
-        match consumer.run(token).await {
-            Ok(report) => tracing::info!(?report, "consumer stopped"),
-            Err(err) => tracing::error!(%err, "consumer stopped"),
+    let token = tokio_util::sync::CancellationToken::new();
+    let running = consumer.run(token.clone());
+    tokio::pin!(running);
+    let report = tokio::select! {
+        report = &mut running => report,
+        signal = shutdown_signal() => {
+            tracing::info!(signal, "shutting down");
+            token.cancel();
+            running.await
         }
-    });
-    supervisor.run_until_signal().await;
+    }?;
+    tracing::info!(?report, "consumer stopped");
     Ok(())
 }

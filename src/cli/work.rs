@@ -4,7 +4,7 @@ use anyhow::bail;
 
 use super::Ctx;
 use crate::config::HumanDuration;
-use crate::supervisor::Supervisor;
+use crate::supervisor::shutdown_signal;
 use crate::worker::exec::{parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
 
@@ -95,13 +95,17 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         worker = worker.register(kind, ExecHandler::new(command).timeout(timeout));
     }
-    let mut supervisor = Supervisor::new();
-    let token = supervisor.token();
-    supervisor.spawn("worker", async move {
-        if let Err(err) = worker.run(token).await {
-            tracing::error!(%err, "worker stopped");
+    let token = tokio_util::sync::CancellationToken::new();
+    let running = worker.run(token.clone());
+    tokio::pin!(running);
+    let report = tokio::select! {
+        report = &mut running => report,
+        signal = shutdown_signal() => {
+            tracing::info!(signal, "shutting down");
+            token.cancel();
+            running.await
         }
-    });
-    supervisor.run_until_signal().await;
+    }?;
+    tracing::info!(?report, "worker stopped");
     Ok(())
 }

@@ -32,14 +32,32 @@ pub(super) async fn run(
         .group
         .clone()
         .unwrap_or_else(|| format!("almanac-{topic}"));
-    ensure_topic(
-        &admin(&brokers)?,
-        &topic,
-        consumer.sinks.kafka_partitions,
-        consumer.sinks.kafka_replication,
-        consumer.sinks.ack_timeout,
-    )
-    .await?;
+    // Subscribing to a missing topic fails: make sure it exists, waiting out
+    // a broker that is not up yet.
+    let admin = admin(&brokers)?;
+    let mut pause = Duration::from_millis(200);
+    loop {
+        let sinks = &consumer.sinks;
+        match ensure_topic(
+            &admin,
+            &topic,
+            sinks.kafka_partitions,
+            sinks.kafka_replication,
+            sinks.ack_timeout,
+        )
+        .await
+        {
+            Ok(()) => break,
+            Err(err) => {
+                warn!(%err, retry_in_ms = pause.as_millis() as u64, "Kafka consumer cannot start");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
     let stream: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .set("group.id", &group)

@@ -1,0 +1,215 @@
+//! `almanac route`, `almanac run` (relay) and `almanac consume` as a person
+//! runs them, against RabbitMQ.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use common::brokers::{amqp_url, unique};
+use common::{count, eventually};
+use sqlx::PgPool;
+
+fn almanac(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .env_remove("ALMANAC_AMQP_URL")
+        .env_remove("ALMANAC_KAFKA_BROKERS")
+        .output()
+        .unwrap()
+}
+
+fn spawn(url: &str, args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).trim().to_string()
+}
+
+fn stop(mut child: Child) -> Option<i32> {
+    // SAFETY: signals a child process this test spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait().unwrap().code()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn route_set_refuses_what_it_cannot_do_and_names_no_password(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let out = almanac(&url, &["route", "set", "mail", "--mode", "broker"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stderr), "error: mode broker needs a sink and a destination: add --sink kafka|rabbitmq --destination NAME");
+
+    let out = almanac(
+        &url,
+        &[
+            "route",
+            "set",
+            "mail",
+            "--mode",
+            "broker",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            "mail",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr)
+            .contains("rabbitmq is not configured: pass --amqp-url (or ALMANAC_AMQP_URL)"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let dead = "amqp://guest:pa55word@127.0.0.1:1/%2f";
+    let out = almanac(
+        &url,
+        &[
+            "route",
+            "set",
+            "mail",
+            "--mode",
+            "broker",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            "mail",
+            "--amqp-url",
+            dead,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("cannot reach RabbitMQ at amqp://guest:***@127.0.0.1:1/%2f"),
+        "{err}"
+    );
+    assert!(err.contains("the route was not changed"), "{err}");
+    assert!(!err.contains("pa55word"), "{err}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.routes").await, 0);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let amqp = amqp_url();
+    let queue = unique("cli");
+    let dir = std::env::temp_dir().join(format!("almanac-cli-broker-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let seen = dir.join("seen");
+
+    let out = almanac(
+        &url,
+        &[
+            "route",
+            "set",
+            "mail",
+            "--mode",
+            "broker",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            &queue,
+            "--amqp-url",
+            &amqp,
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        format!("mail: broker via rabbitmq `{queue}`; 0 ready or running jobs moved to it")
+    );
+    let shown = almanac(&url, &["route", "show", "--json"]);
+    let route: serde_json::Value = serde_json::from_str(&text(&shown.stdout)).unwrap();
+    assert_eq!(
+        (
+            route["kind"].as_str(),
+            route["mode"].as_str(),
+            route["sink"].as_str()
+        ),
+        (Some("mail"), Some("broker"), Some("rabbitmq"))
+    );
+
+    for i in 0..3 {
+        let out = almanac(
+            &url,
+            &[
+                "enqueue",
+                "mail",
+                "--payload",
+                &format!(r#"{{"to":"user{i}@example.com"}}"#),
+            ],
+        );
+        assert!(out.status.success());
+    }
+    // A worker polling PostgreSQL does not take a broker kind.
+    let worker = spawn(
+        &url,
+        &[
+            "work",
+            "--handler",
+            &format!("mail=echo worker >> {}", seen.display()),
+        ],
+    );
+    let relay = spawn(&url, &["run", "--roles", "relay", "--amqp-url", &amqp]);
+    let handler = format!(
+        "mail=jq -r .to >> {0} 2>/dev/null || cat >> {0}; echo \" $ALMANAC_ATTEMPT\" >> {0}",
+        seen.display()
+    );
+    let consumer = spawn(
+        &url,
+        &[
+            "consume",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            &queue,
+            "--amqp-url",
+            &amqp,
+            "--handler",
+            &handler,
+        ],
+    );
+    eventually(
+        "three jobs done by the consumer",
+        Duration::from_secs(60),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+            )
+            .await
+                == 3
+        },
+    )
+    .await;
+    assert_eq!(stop(consumer), Some(0));
+    assert_eq!(stop(relay), Some(0));
+    assert_eq!(stop(worker), Some(0));
+    let seen = std::fs::read_to_string(&seen).unwrap();
+    assert!(
+        !seen.contains("worker"),
+        "a worker ran a broker job:\n{seen}"
+    );
+    for i in 0..3 {
+        assert!(seen.contains(&format!("user{i}@example.com")), "{seen}");
+    }
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NOT NULL"
+        )
+        .await,
+        3
+    );
+}
