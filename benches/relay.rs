@@ -13,7 +13,6 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::BasicProperties;
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
-use sqlx::Connection;
 
 const MESSAGES: usize = 20_000;
 const BATCH: usize = 500;
@@ -92,15 +91,13 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
     elapsed
 }
 
+#[path = "common/mod.rs"]
+mod common;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let base = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| almanac::config::DEFAULT_DATABASE_URL.into());
-    let (prefix, _) = base
-        .rsplit_once('/')
-        .expect("DATABASE_URL names a database");
-    let name = format!("almanac_bench_relay_{}", std::process::id());
-    let pool = almanac::db::connect_and_migrate(&format!("{prefix}/{name}"), 4).await?;
+    let scratch = common::Scratch::new("relay").await?;
+    let pool = scratch.pool.clone();
     let sinks = SinkConfig {
         kafka_brokers: Some(
             std::env::var("ALMANAC_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
@@ -162,10 +159,6 @@ async fn main() -> anyhow::Result<()> {
             rate(MESSAGES, relayed) / rate(MESSAGES, raw)
         );
     }
-    pool.close().await;
-    let mut admin = sqlx::PgConnection::connect(&base).await?;
-    sqlx::query(&format!("DROP DATABASE \"{name}\""))
-        .execute(&mut admin)
-        .await?;
+    scratch.drop().await?;
     Ok(())
 }

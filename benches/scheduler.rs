@@ -11,7 +11,6 @@ use almanac::scheduler::backfill;
 use almanac::scheduler::spec::load_sources;
 use almanac::scheduler::ticker::Ticker;
 use chrono::{DateTime, Utc};
-use sqlx::Connection;
 
 fn at(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
@@ -21,19 +20,16 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
+#[path = "common/mod.rs"]
+mod common;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
-    let base = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| almanac::config::DEFAULT_DATABASE_URL.into());
-    let (prefix, _) = base
-        .rsplit_once('/')
-        .expect("DATABASE_URL names a database");
-    let name = format!("almanac_bench_{}", std::process::id());
-    let url = format!("{prefix}/{name}");
-    let pool = almanac::db::connect_and_migrate(&url, 4).await?;
+    let scratch = common::Scratch::new("scheduler").await?;
+    let pool = scratch.pool.clone();
     let mut conn = pool.acquire().await?;
 
     // Backfill: 2016-01-01 .. 2025-12-31, 3,653 daily runs.
@@ -94,10 +90,6 @@ async fn main() -> anyhow::Result<()> {
     );
 
     drop(conn);
-    pool.close().await;
-    let mut admin = sqlx::PgConnection::connect(&base).await?;
-    sqlx::query(&format!("DROP DATABASE \"{name}\""))
-        .execute(&mut admin)
-        .await?;
+    scratch.drop().await?;
     Ok(())
 }

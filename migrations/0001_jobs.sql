@@ -23,10 +23,13 @@ CREATE TABLE almanac.jobs (
     CHECK ((status = 'running') = (lease_token IS NOT NULL AND lease_until IS NOT NULL))
 );
 
--- Claim: due ready rows in (run_at, id) order.
+-- Due ready rows in (run_at, id) order: claims across many kinds, and the
+-- oldest due job in stats.
 CREATE INDEX jobs_ready_due_idx ON almanac.jobs (run_at, id) WHERE status = 'ready';
+-- Claims for one kind walk this in order and stop at LIMIT, however many
+-- ready rows other kinds or the future hold.
+CREATE INDEX jobs_ready_kind_idx ON almanac.jobs (kind, run_at, id) WHERE status = 'ready';
 -- Reaper: running rows by lease expiry.
 CREATE INDEX jobs_running_lease_idx ON almanac.jobs (lease_until) WHERE status = 'running';
 -- Janitor and listings of finished work.
 CREATE INDEX jobs_finished_idx ON almanac.jobs (finished_at) WHERE status IN ('done', 'dead');
-CREATE INDEX jobs_kind_status_idx ON almanac.jobs (kind, status);

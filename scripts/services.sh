@@ -19,6 +19,12 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -n1)" main start
   wait_for PostgreSQL 60 pg_isready -q -h 127.0.0.1 -p 5432
 fi
+# The database DATABASE_URL names by default (.cargo/config.toml). `almanac`
+# creates it on its own; `#[sqlx::test]` needs it to exist to create the
+# per-test databases from.
+if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'almanac'" postgres | grep -q 1; then
+  psql -q -h 127.0.0.1 -U postgres -c 'CREATE DATABASE almanac' postgres
+fi
 
 # RabbitMQ (127.0.0.1:5672, guest/guest).
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }

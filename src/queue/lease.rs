@@ -39,7 +39,8 @@ fn millis(d: Duration) -> i64 {
 }
 
 /// Claims due ready jobs in `(run_at, id)` order in one statement: rows locked
-/// by a concurrent claim are skipped, not waited for. Each job gets its own
+/// by a concurrent claim are skipped, not waited for. The cost depends on the
+/// batch size and the number of kinds, not on how many jobs are waiting. Each job gets its own
 /// fresh lease token. Jobs routed to the broker are left to broker consumers.
 pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec<Job>, QueueError> {
     if claim.limit <= 0 || claim.kinds.is_empty() {
@@ -48,11 +49,21 @@ pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec
     let jobs = sqlx::query_as::<_, Job>(
         r#"
         WITH picked AS (
-            SELECT id FROM almanac.jobs
-            WHERE status = 'ready' AND run_at <= now() AND kind = ANY($1) AND route <> 'broker'
-            ORDER BY run_at, id
+            -- Per kind, an ordered walk of jobs_ready_kind_idx that stops at
+            -- LIMIT; then the earliest across kinds. (One scan with
+            -- `kind = ANY($1)` would sort every ready row of those kinds.)
+            -- Rows locked here but not picked are released when this
+            -- one-statement transaction commits.
+            SELECT c.id FROM unnest($1::text[]) AS k(kind)
+            CROSS JOIN LATERAL (
+                SELECT id, run_at FROM almanac.jobs
+                WHERE status = 'ready' AND kind = k.kind AND run_at <= now() AND route <> 'broker'
+                ORDER BY run_at, id
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+            ) AS c
+            ORDER BY c.run_at, c.id
             LIMIT $2
-            FOR UPDATE SKIP LOCKED
         )
         UPDATE almanac.jobs AS j
         SET status = 'running',
