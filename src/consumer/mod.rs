@@ -13,8 +13,11 @@
 //! committed; the consumer retries it.
 //!
 //! Kafka messages are handled one at a time per consumer (commit order is
-//! offset order); scale out with partitions and more consumers. RabbitMQ
-//! deliveries are handled up to `concurrency` at once (the prefetch).
+//! offset order); scale out with partitions and more consumers. A handler
+//! that runs longer than Kafka's `max.poll.interval.ms` (5 minutes) makes the
+//! group rebalance and the message is delivered again; the fence turns that
+//! copy into a skip. RabbitMQ deliveries are handled up to `concurrency` at
+//! once (the prefetch).
 
 mod kafka;
 mod rabbitmq;
