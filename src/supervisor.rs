@@ -67,6 +67,26 @@ impl Supervisor {
     }
 }
 
+/// Runs one role to its end: `start` gets the token to watch, which SIGINT or
+/// SIGTERM cancels; the role's own result is returned either way, so a role
+/// that fails makes its command fail.
+pub async fn until_signal<F, T>(start: impl FnOnce(CancellationToken) -> F) -> T
+where
+    F: Future<Output = T>,
+{
+    let token = CancellationToken::new();
+    let running = start(token.clone());
+    tokio::pin!(running);
+    tokio::select! {
+        result = &mut running => result,
+        signal = shutdown_signal() => {
+            info!(signal, "shutting down");
+            token.cancel();
+            running.await
+        }
+    }
+}
+
 /// Resolves on SIGINT or SIGTERM with the signal's name.
 pub async fn shutdown_signal() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};

@@ -7,7 +7,7 @@ use super::work::WorkerFlags;
 use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
 use crate::relay::SinkKind;
-use crate::supervisor::shutdown_signal;
+use crate::supervisor::until_signal;
 use crate::worker::exec::{parse_handler_spec, ExecHandler};
 
 #[derive(Debug, clap::Args)]
@@ -54,17 +54,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, ExecHandler::new(command).timeout(timeout));
     }
-    let token = tokio_util::sync::CancellationToken::new();
-    let running = consumer.run(token.clone());
-    tokio::pin!(running);
-    let report = tokio::select! {
-        report = &mut running => report,
-        signal = shutdown_signal() => {
-            tracing::info!(signal, "shutting down");
-            token.cancel();
-            running.await
-        }
-    }?;
+    let report = until_signal(|token| consumer.run(token)).await?;
     tracing::info!(?report, "consumer stopped");
     Ok(())
 }

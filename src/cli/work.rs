@@ -4,7 +4,7 @@ use anyhow::bail;
 
 use super::Ctx;
 use crate::config::HumanDuration;
-use crate::supervisor::shutdown_signal;
+use crate::supervisor::until_signal;
 use crate::worker::exec::{parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
 
@@ -95,17 +95,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         worker = worker.register(kind, ExecHandler::new(command).timeout(timeout));
     }
-    let token = tokio_util::sync::CancellationToken::new();
-    let running = worker.run(token.clone());
-    tokio::pin!(running);
-    let report = tokio::select! {
-        report = &mut running => report,
-        signal = shutdown_signal() => {
-            tracing::info!(signal, "shutting down");
-            token.cancel();
-            running.await
-        }
-    }?;
+    let report = until_signal(|token| worker.run(token)).await?;
     tracing::info!(?report, "worker stopped");
     Ok(())
 }
