@@ -185,3 +185,33 @@ async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+#[test]
+fn migrate_creates_a_missing_database() {
+    let base = std::env::var("DATABASE_URL").unwrap();
+    let (prefix, _) = base.rsplit_once('/').unwrap();
+    let name = format!("almanac_cli_fresh_{}", std::process::id());
+    let out = almanac(&format!("{prefix}/{name}"), &["migrate"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    assert!(
+        said.starts_with(&format!(
+            "schema almanac is at migration 3 on database \"{name}\" on "
+        )),
+        "{said}"
+    );
+    let drop = Command::new("psql")
+        .args([
+            "-q",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-c",
+            &format!("DROP DATABASE \"{name}\""),
+            "postgres",
+        ])
+        .output()
+        .unwrap();
+    assert!(drop.status.success());
+}

@@ -160,3 +160,50 @@ async fn kafka_db_dual_broker_migration_loses_nothing_and_runs_nothing_twice(poo
 async fn rabbitmq_db_dual_broker_migration_loses_nothing_and_runs_nothing_twice(pool: PgPool) {
     switching_routes_while_jobs_flow(pool, SinkKind::Rabbitmq).await;
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rolling_a_broker_kind_back_to_db_hands_its_ready_jobs_to_workers(pool: PgPool) {
+    use almanac::queue::Claim;
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "task",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some("tasks"),
+    )
+    .await
+    .unwrap();
+    let batch: Vec<NewJob> = (0..5)
+        .map(|i| NewJob::new("task").idempotency_key(format!("back:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    let kinds = vec!["task".to_string()];
+    let claim = Claim {
+        kinds: &kinds,
+        limit: 10,
+        lease: Duration::from_secs(30),
+    };
+    assert!(
+        queue::claim(&pool, &claim).await.unwrap().is_empty(),
+        "workers do not take a broker kind"
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.outbox").await, 5);
+
+    let change = routes::set(&mut conn, "task", RouteMode::Db, None, None)
+        .await
+        .unwrap();
+    assert_eq!(change.jobs_moved, 5);
+    assert_eq!(
+        queue::claim(&pool, &claim).await.unwrap().len(),
+        5,
+        "back on the database path at once"
+    );
+    // The messages still queued would find their jobs claimed: the fence skips them.
+    assert!(
+        queue::claim_by_id(&pool, 1, &kinds, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
