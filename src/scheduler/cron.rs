@@ -205,9 +205,21 @@ impl CronExpr {
     }
 
     fn can_ever_match(&self) -> bool {
-        // Every (month, day) pair recurs within 28 years, leap days included.
-        let start = NaiveDate::from_ymd_opt(2000, 1, 1).expect("valid date");
-        (0..366 * 8).any(|d| self.matches_date(start + chrono::Days::new(d)))
+        // Every month holds every weekday, so only a restricted day-of-month
+        // with an unrestricted day-of-week can rule out every date: it needs
+        // one of its days in one of its months (February has 29 in leap years).
+        if self.days_of_month.star || !self.days_of_week.star {
+            return true;
+        }
+        const LONGEST: [u32; 12] = [31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+        self.months
+            .values()
+            .filter(|m| (1..=12).contains(m))
+            .any(|m| {
+                self.days_of_month
+                    .values()
+                    .any(|d| d <= LONGEST[m as usize - 1])
+            })
     }
 }
 

@@ -226,11 +226,12 @@ fn parse_file(file: &Path, text: &str) -> Result<Vec<Schedule>, Vec<Problem>> {
     })?;
     let mut problems = Vec::new();
     let mut out = Vec::new();
+    let headers = header_lines(text);
     for (name, raw) in raw {
-        let header = header_offset(text, &name);
+        let header = headers.get(&name).copied().unwrap_or(1);
         match validate(&name, raw, &|offset, message| at(offset, message)) {
             Ok(mut schedule) => {
-                schedule.origin = format!("{}:{}", file.display(), line_col(text, header).0);
+                schedule.origin = format!("{}:{header}", file.display());
                 out.push(schedule);
             }
             Err(problem) => problems.push(problem),
@@ -243,19 +244,21 @@ fn parse_file(file: &Path, text: &str) -> Result<Vec<Schedule>, Vec<Problem>> {
     }
 }
 
-/// Where `[name]` starts, for messages about the schedule as a whole.
-fn header_offset(text: &str, name: &str) -> usize {
-    let mut offset = 0;
-    for line in text.split_inclusive('\n') {
-        let trimmed = line.trim();
-        if let Some(inner) = trimmed.strip_prefix('[').and_then(|t| t.split(']').next()) {
-            if inner.trim().trim_matches(|c| c == '"' || c == '\'') == name {
-                return offset;
-            }
+/// The line of each `[name]` header, for messages about a schedule as a
+/// whole: one pass over the file, however many schedules it holds.
+fn header_lines(text: &str) -> BTreeMap<String, usize> {
+    let mut lines = BTreeMap::new();
+    for (index, line) in text.lines().enumerate() {
+        if let Some(inner) = line
+            .trim()
+            .strip_prefix('[')
+            .and_then(|t| t.split(']').next())
+        {
+            let name = inner.trim().trim_matches(|c| c == '"' || c == '\'');
+            lines.entry(name.to_string()).or_insert(index + 1);
         }
-        offset += line.len();
     }
-    0
+    lines
 }
 
 fn validate(
