@@ -71,24 +71,8 @@ pub enum DbError {
 /// Parses a URL; the error never repeats the URL (it may hold a password).
 pub fn parse_url(url: &str) -> Result<PgConnectOptions, DbError> {
     PgConnectOptions::from_str(url).map_err(|e| DbError::BadUrl {
-        reason: redact_reason(&e.to_string(), url),
+        reason: crate::redact::redact_in(&e.to_string(), url),
     })
-}
-
-fn redact_reason(reason: &str, url: &str) -> String {
-    match url::password_of(url) {
-        Some(password) if !password.is_empty() => reason.replace(password, "***"),
-        _ => reason.to_string(),
-    }
-}
-
-mod url {
-    /// The password between `user:` and `@`, if the URL has one.
-    pub fn password_of(url: &str) -> Option<&str> {
-        let rest = url.split_once("://")?.1;
-        let userinfo = rest.split_once('@')?.0;
-        Some(userinfo.split_once(':')?.1)
-    }
 }
 
 /// Connects a pool, creating the database first when it does not exist.

@@ -3,11 +3,11 @@
 //! The crate is laid out by role; each module's doc states the guarantee it
 //! gives and where that guarantee stops.
 //!
-//! - [`db`]: connecting (creating the database when missing), migrations, and
-//!   the `DATABASE_URL` redaction every error message goes through.
+//! - [`db`]: connecting (creating the database when missing) and migrations;
+//!   errors name the target, never the password.
 //! - [`queue`]: the job table's state machine and its lease fence: enqueue,
 //!   claim, complete, fail, heartbeat, and the operator actions (retry, cancel,
-//!   list, stats). Every SQL statement that touches `almanac.jobs` lives here.
+//!   list, stats). Every change of a job's status goes through here.
 //! - [`worker`]: the runtime that claims jobs for registered handlers, runs them
 //!   under heartbeated leases and records their outcome; [`worker::exec`] is the
 //!   shell-command handler behind `almanac work`.
@@ -15,6 +15,10 @@
 //!   `dead`), in short SKIP LOCKED batches.
 //! - [`config`]: `almanac.toml`, overridden by `ALMANAC_*` variables and flags.
 //! - [`cli`]: one file per subcommand; `src/main.rs` only dispatches.
+//! - [`scheduler`]: cron, DST timeline, schedule files, run ledger, leader.
+//! - [`relay`] and [`consumer`]: the outbox relay to Kafka or RabbitMQ, routes,
+//!   and the broker consumers that run jobs through the same fence.
+//! - [`redact`]: the one place connection URLs lose their passwords.
 //! - [`supervisor`]: runs background roles under one cancellation token.
 
 pub mod cli;
@@ -23,6 +27,7 @@ pub mod consumer;
 pub mod db;
 pub mod maintenance;
 pub mod queue;
+pub mod redact;
 pub mod relay;
 pub mod scheduler;
 pub mod supervisor;

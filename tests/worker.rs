@@ -376,3 +376,64 @@ async fn a_handler_is_told_when_its_lease_is_lost(pool: PgPool) {
         JobStatus::Running
     );
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_worker_claims_no_more_jobs_than_it_has_free_slots(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let batch: Vec<NewJob> = (0..20)
+        .map(|i| NewJob::new("slow").idempotency_key(format!("slow:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(tokio::sync::Semaphore::new(0));
+    let (g, s) = (gate.clone(), started.clone());
+    // Three slots, but claims of up to ten: a worker that claimed by batch
+    // size alone would hold ten leases for three handlers.
+    let config = WorkerConfig {
+        concurrency: 3,
+        batch_size: 10,
+        ..fast(3)
+    };
+    let worker = Worker::new(pool.clone(), config).register("slow", move |_ctx: JobContext| {
+        let (gate, started) = (g.clone(), s.clone());
+        async move {
+            started.add_permits(1);
+            gate.acquire().await.unwrap().forget();
+            Ok(())
+        }
+    });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    let _three = tokio::time::timeout(Duration::from_secs(15), started.acquire_many(3))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'running'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'"
+        )
+        .await,
+        17
+    );
+    gate.add_permits(20);
+    eventually("all twenty done", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == 20
+    })
+    .await;
+    stop.cancel();
+    assert_eq!(running.await.unwrap().unwrap().completed, 20);
+}

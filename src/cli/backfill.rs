@@ -5,11 +5,15 @@ use std::io::Write as _;
 use anyhow::bail;
 
 use super::schedules::{parse_bound, print_run};
+use chrono::{DateTime, Utc};
+
 use super::{Ctx, SchedulesDir};
 use crate::scheduler::backfill;
+use crate::scheduler::spec::Schedule;
 
+/// A schedule and a range of its runs, both ends inclusive.
 #[derive(Debug, clap::Args)]
-pub struct BackfillArgs {
+pub struct ScheduleRange {
     name: String,
     /// First date (local to the schedule's zone) or RFC 3339 instant, inclusive.
     #[arg(long)]
@@ -17,45 +21,46 @@ pub struct BackfillArgs {
     /// Last date or instant, inclusive.
     #[arg(long)]
     to: String,
+    #[command(flatten)]
+    schedules: SchedulesDir,
+}
+
+impl ScheduleRange {
+    /// The schedule from the files, and the range as `[from, to)` instants.
+    fn resolve(&self, ctx: &Ctx) -> anyhow::Result<(Schedule, DateTime<Utc>, DateTime<Utc>)> {
+        let schedule = self.schedules.find(ctx, &self.name)?;
+        let from = parse_bound(&self.from, &schedule.timeline, "--from")?.start();
+        let to =
+            parse_bound(&self.to, &schedule.timeline, "--to")?.end_inclusive(&schedule.timeline);
+        if to <= from {
+            bail!("--to is before --from");
+        }
+        Ok((schedule, from, to))
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BackfillArgs {
+    #[command(flatten)]
+    range: ScheduleRange,
     /// Report what would be emitted; write nothing.
     #[arg(long)]
     dry_run: bool,
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    schedules: SchedulesDir,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct GapsArgs {
-    name: String,
-    #[arg(long)]
-    from: String,
-    #[arg(long)]
-    to: String,
+    #[command(flatten)]
+    range: ScheduleRange,
     /// One JSON object per missing run.
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    schedules: SchedulesDir,
-}
-
-fn range(
-    schedule: &crate::scheduler::spec::Schedule,
-    from: &str,
-    to: &str,
-) -> anyhow::Result<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> {
-    let from = parse_bound(from, &schedule.timeline, "--from")?.start();
-    let to = parse_bound(to, &schedule.timeline, "--to")?.end_inclusive(&schedule.timeline);
-    if to <= from {
-        bail!("--to is before --from");
-    }
-    Ok((from, to))
 }
 
 pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
-    let schedule = args.schedules.find(ctx, &args.name)?;
-    let (from, to) = range(&schedule, &args.from, &args.to)?;
+    let (schedule, from, to) = args.range.resolve(ctx)?;
     let pool = if args.dry_run {
         ctx.pool().await?
     } else {
@@ -104,8 +109,7 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
 }
 
 pub async fn run_gaps(ctx: &Ctx, args: GapsArgs) -> anyhow::Result<()> {
-    let schedule = args.schedules.find(ctx, &args.name)?;
-    let (from, to) = range(&schedule, &args.from, &args.to)?;
+    let (schedule, from, to) = args.range.resolve(ctx)?;
     let pool = ctx.pool().await?;
     let mut conn = pool.acquire().await?;
     let missing = backfill::gaps(&mut conn, &schedule, from, to).await?;

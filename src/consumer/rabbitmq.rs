@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{Consumer, JOB_ID_HEADER};
+use crate::redact::redact_url;
 use crate::relay::rabbitmq::{connect, declare};
-use crate::relay::sink::redact_url;
 use crate::relay::{SinkError, SinkKind};
 
 fn job_id(headers: &Option<FieldTable>) -> Option<i64> {

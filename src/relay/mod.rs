@@ -215,6 +215,10 @@ impl Relay {
         let mut next_redrive =
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         while !shutdown.is_cancelled() {
+            if listener.is_none() {
+                // Polling covers for it meanwhile; try LISTEN again each round.
+                listener = listen(&self.pool).await;
+            }
             if Instant::now() >= next_redrive {
                 match self.redrive().await {
                     Ok(0) => {}

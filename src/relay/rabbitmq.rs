@@ -18,8 +18,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use tracing::warn;
 
-use super::sink::{redact_url, SinkConfig, SinkError};
+use super::sink::{SinkConfig, SinkError};
 use super::OutboxRow;
+use crate::redact::redact_url;
 
 pub struct RabbitPublisher {
     url: String,

@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{kafka::KafkaPublisher, rabbitmq::RabbitPublisher, OutboxRow};
+use crate::redact::redact_url;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -86,20 +87,6 @@ impl SinkConfig {
     }
 }
 
-/// A URL with its password replaced by `***`, for messages.
-pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((userinfo, host)) => {
-                let user = userinfo.split(':').next().unwrap_or("");
-                format!("{scheme}://{user}:***@{host}")
-            }
-            None => url.to_string(),
-        },
-        None => "(unparsable URL)".to_string(),
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     #[error("{sink} is not configured: pass {flag}")]
@@ -174,17 +161,5 @@ impl Publisher {
             Publisher::Kafka(p) => p.flush().await,
             Publisher::Rabbit(p) => p.close().await,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn urls_lose_their_password() {
-        assert_eq!(
-            super::redact_url("amqp://guest:s3cret@10.0.0.1:5672/%2f"),
-            "amqp://guest:***@10.0.0.1:5672/%2f"
-        );
-        assert_eq!(super::redact_url("amqp://127.0.0.1"), "amqp://127.0.0.1");
     }
 }
