@@ -19,6 +19,7 @@
 //! - [`relay`] and [`consumer`]: the outbox relay to Kafka or RabbitMQ, routes,
 //!   and the broker consumers that run jobs through the same fence.
 //! - [`redact`]: the one place connection URLs lose their passwords.
+//! - [`retry`]: the one pacing helper for reconnect and retry loops.
 //! - [`supervisor`]: runs background roles under one cancellation token.
 
 pub mod cli;
@@ -28,6 +29,7 @@ pub mod db;
 pub mod maintenance;
 pub mod queue;
 pub mod redact;
+pub mod retry;
 pub mod relay;
 pub mod scheduler;
 pub mod supervisor;
