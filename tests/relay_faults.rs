@@ -8,7 +8,8 @@ use std::time::Duration;
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{redrive, Publisher, Relay, SinkConfig, SinkKind};
-use common::brokers::{self, unique, Proxy, Tansu};
+use common::brokers::{self, unique, Tansu};
+use common::proxy::Proxy;
 use common::count;
 use sqlx::PgPool;
 

@@ -1,9 +1,9 @@
 //! Broker helpers: addresses (from the environment, with local defaults),
-//! unique destinations, raw readers, a pausable TCP proxy, a private tansu.
+//! unique destinations, raw readers, a private tansu. The TCP proxy is
+//! [`super::proxy`].
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,8 +14,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
 
 pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -173,57 +171,6 @@ async fn read_rabbit(queue: &str, expect: usize, within: Duration) -> Vec<Receiv
     }
     let _ = conn.close(200, "done").await;
     out
-}
-
-/// A TCP proxy that can cut every connection and refuse new ones.
-pub struct Proxy {
-    pub port: u16,
-    target: SocketAddr,
-    stop: CancellationToken,
-}
-
-impl Proxy {
-    pub async fn start(target: SocketAddr) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let stop = CancellationToken::new();
-        tokio::spawn(serve(listener, target, stop.clone()));
-        Proxy { port, target, stop }
-    }
-
-    /// The broker "goes away": connections drop, new ones are refused.
-    pub fn cut(&mut self) {
-        self.stop.cancel();
-    }
-
-    /// The broker is back on the same port.
-    pub async fn restore(&mut self) {
-        let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
-        self.stop = CancellationToken::new();
-        tokio::spawn(serve(listener, self.target, self.stop.clone()));
-    }
-}
-
-async fn serve(listener: TcpListener, target: SocketAddr, stop: CancellationToken) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        let Ok((mut inbound, _)) = accepted else {
-            continue;
-        };
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let Ok(mut outbound) = TcpStream::connect(target).await else {
-                return;
-            };
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-            }
-        });
-    }
 }
 
 /// A tansu broker of the test's own, on a free port, that can be stopped

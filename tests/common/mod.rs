@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod proxy;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

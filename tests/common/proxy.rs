@@ -1,0 +1,167 @@
+//! A TCP proxy for fault tests, placed between a client (worker, leader,
+//! relay) and PostgreSQL or a broker. It fails the way networks do:
+//!
+//! - [`Proxy::freeze`]: stops forwarding in both directions but keeps every
+//!   socket open (a half-open network, a partition, a hung peer): nothing is
+//!   refused or reset, bytes just stop arriving. New connections are accepted
+//!   and held. [`Proxy::thaw`] resumes forwarding, buffered bytes included.
+//! - [`Proxy::cut`]: drops every connection and refuses new ones;
+//!   [`Proxy::restore`] listens again on the same port.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+pub struct Proxy {
+    pub port: u16,
+    target: SocketAddr,
+    stop: CancellationToken,
+    frozen: watch::Sender<bool>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = CancellationToken::new();
+        let (frozen, _) = watch::channel(false);
+        tokio::spawn(serve(listener, target, stop.clone(), frozen.subscribe()));
+        Proxy {
+            port,
+            target,
+            stop,
+            frozen,
+        }
+    }
+
+    /// A proxy in front of the local PostgreSQL (127.0.0.1:5432).
+    pub async fn postgres() -> Proxy {
+        Proxy::start("127.0.0.1:5432".parse().unwrap()).await
+    }
+
+    /// `url` (a `postgres://` URL naming 127.0.0.1:5432 or localhost:5432)
+    /// rewritten to go through this proxy.
+    pub fn postgres_url(&self, url: &str) -> String {
+        let through = format!("127.0.0.1:{}", self.port);
+        url.replace("127.0.0.1:5432", &through)
+            .replace("localhost:5432", &through)
+    }
+
+    /// Stops forwarding; sockets stay open (a half-open network).
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Resumes forwarding, bytes held during the freeze included.
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+
+    /// The peer "goes away": connections drop, new ones are refused.
+    pub fn cut(&mut self) {
+        self.stop.cancel();
+    }
+
+    /// Listens again on the same port (and thaws).
+    pub async fn restore(&mut self) {
+        let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
+        self.stop = CancellationToken::new();
+        self.thaw();
+        tokio::spawn(serve(
+            listener,
+            self.target,
+            self.stop.clone(),
+            self.frozen.subscribe(),
+        ));
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    target: SocketAddr,
+    stop: CancellationToken,
+    frozen: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((inbound, _)) = accepted else {
+            continue;
+        };
+        let stop = stop.clone();
+        let mut frozen = frozen.clone();
+        tokio::spawn(async move {
+            if !thawed(&mut frozen, &stop).await {
+                return;
+            }
+            let Ok(outbound) = TcpStream::connect(target).await else {
+                return;
+            };
+            let (in_read, in_write) = inbound.into_split();
+            let (out_read, out_write) = outbound.into_split();
+            tokio::join!(
+                pump(in_read, out_write, frozen.clone(), stop.clone()),
+                pump(out_read, in_write, frozen, stop),
+            );
+        });
+    }
+}
+
+/// Waits while frozen; `false` once the proxy is cut.
+async fn thawed(frozen: &mut watch::Receiver<bool>, stop: &CancellationToken) -> bool {
+    loop {
+        if stop.is_cancelled() {
+            return false;
+        }
+        if !*frozen.borrow_and_update() {
+            return true;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return false,
+            changed = frozen.changed() => if changed.is_err() { return false },
+        }
+    }
+}
+
+/// Copies one direction; holds bytes (and stops reading) while frozen, so
+/// the sender's window fills as on a real half-open path.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut frozen: watch::Receiver<bool>,
+    stop: CancellationToken,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if !thawed(&mut frozen, &stop).await {
+            return;
+        }
+        let n = tokio::select! {
+            _ = stop.cancelled() => return,
+            read = from.read(&mut buf) => match read {
+                Ok(0) | Err(_) => { let _ = to.shutdown().await; return; }
+                Ok(n) => n,
+            },
+        };
+        if !thawed(&mut frozen, &stop).await {
+            return;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            written = to.write_all(&buf[..n]) => if written.is_err() { return },
+        }
+    }
+}
