@@ -25,8 +25,18 @@ pub struct Config {
     /// Roles `almanac run` runs; default: all that apply.
     pub roles: Option<Vec<String>>,
     pub schedules_dir: Option<PathBuf>,
+    /// HTTP endpoint (`/healthz`, `/readyz`, `/metrics`): HOST:PORT or `off`.
+    pub http_addr: Option<crate::http::HttpAddr>,
+    /// `USER:PASSWORD` guarding the HTTP endpoint; never logged.
+    pub http_basic_auth: Option<String>,
     #[serde(default)]
     pub worker: WorkerSection,
+    #[serde(default)]
+    pub scheduler: SchedulerSection,
+    #[serde(default)]
+    pub janitor: JanitorSection,
+    #[serde(default)]
+    pub metrics: MetricsSection,
     #[serde(default)]
     pub reaper: ReaperSection,
     #[serde(default)]
@@ -55,6 +65,30 @@ pub struct WorkerSection {
     pub shutdown_deadline: Option<HumanDuration>,
     /// Per-command timeout of the exec handler.
     pub timeout: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSection {
+    pub standby_retry: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JanitorSection {
+    pub interval: Option<HumanDuration>,
+    pub done_retention: Option<HumanDuration>,
+    pub dead_retention: Option<HumanDuration>,
+    pub outbox_retention: Option<HumanDuration>,
+    pub batch_size: Option<i64>,
+    pub pause: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    /// How often the collector refreshes the database figures.
+    pub interval: Option<HumanDuration>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -120,6 +154,17 @@ impl Config {
                 message: e.message().to_string(),
             }
         })
+    }
+}
+
+/// `Ok` for a duration above zero; else a message naming the setting.
+pub fn positive(setting: &str, value: Duration) -> Result<(), String> {
+    if value.is_zero() {
+        Err(format!(
+            "{setting} must be longer than 0s; write a duration such as 500ms, 5s or 1m"
+        ))
+    } else {
+        Ok(())
     }
 }
 

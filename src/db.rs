@@ -95,6 +95,27 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
     Ok(pool)
 }
 
+/// How many of the embedded migrations the database has not applied.
+pub async fn pending_migrations<'e>(
+    db: impl sqlx::PgExecutor<'e> + Copy,
+) -> Result<usize, sqlx::Error> {
+    let applied: Vec<i64> =
+        if sqlx::query_scalar::<_, bool>("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .fetch_one(db)
+            .await?
+        {
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                .fetch_all(db)
+                .await?
+        } else {
+            Vec::new()
+        };
+    Ok(MIGRATOR
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .count())
+}
+
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     MIGRATOR.run(pool).await.map_err(|source| DbError::Migrate {
         target: Target::of(&pool.connect_options()),

@@ -12,7 +12,11 @@
 //!   under heartbeated leases and records their outcome; [`worker::exec`] is the
 //!   shell-command handler behind `almanac work`.
 //! - [`maintenance`]: the reaper, which returns expired leases to `ready` (or
-//!   `dead`), in short SKIP LOCKED batches.
+//!   `dead`), and the janitor, which deletes finished jobs and published outbox
+//!   rows past retention; both in short SKIP LOCKED batches.
+//! - [`http`] and [`metrics`]: `/healthz`, `/readyz`, `/metrics` (Prometheus),
+//!   the collector that refreshes the database figures, and the snapshot
+//!   `almanac stats` prints.
 //! - [`config`]: `almanac.toml`, overridden by `ALMANAC_*` variables and flags.
 //! - [`cli`]: one file per subcommand; `src/main.rs` only dispatches.
 //! - [`scheduler`]: cron, DST timeline, schedule files, run ledger, leader.
@@ -26,11 +30,13 @@ pub mod cli;
 pub mod config;
 pub mod consumer;
 pub mod db;
+pub mod http;
 pub mod maintenance;
+pub mod metrics;
 pub mod queue;
 pub mod redact;
-pub mod retry;
 pub mod relay;
+pub mod retry;
 pub mod scheduler;
 pub mod supervisor;
 pub mod worker;

@@ -1,19 +1,38 @@
 //! One cancellation token and one `JoinSet` for every role a process runs.
 //!
-//! SIGINT or SIGTERM cancels the token; each role then stops in its own
-//! order (the worker stops claiming, drains within its deadline and releases
-//! what is left). A role that ends on its own, or panics, stops the others too,
-//! so a process never keeps running with half its roles.
+//! Every background role has one shape: a `Config` with defaults and
+//! `validate()`, `run(self, shutdown) -> Result<..>`, and a `run_once()` its
+//! tests call. SIGINT or SIGTERM cancels the token; each role then stops in
+//! its own order (a worker stops claiming, drains within its deadline and
+//! releases what is left; the relay flushes). A role that fails, panics, or
+//! ends on its own before shutdown stops the others too, and the process
+//! exits non-zero naming that role: a process never keeps running with half
+//! its roles, and a supervisor (systemd, Kubernetes) sees the failure.
 
+use std::collections::HashMap;
 use std::future::Future;
 
-use tokio::task::JoinSet;
+use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("role `{role}` failed: {source:#}")]
+    Failed {
+        role: &'static str,
+        source: anyhow::Error,
+    },
+    #[error("role `{role}` panicked: {message}")]
+    Panicked { role: &'static str, message: String },
+    #[error("role `{role}` stopped on its own before shutdown was asked for")]
+    Ended { role: &'static str },
+}
+
 pub struct Supervisor {
     token: CancellationToken,
-    roles: JoinSet<&'static str>,
+    roles: JoinSet<anyhow::Result<()>>,
+    names: HashMap<Id, &'static str>,
 }
 
 impl Default for Supervisor {
@@ -27,6 +46,7 @@ impl Supervisor {
         Supervisor {
             token: CancellationToken::new(),
             roles: JoinSet::new(),
+            names: HashMap::new(),
         }
     }
 
@@ -35,33 +55,78 @@ impl Supervisor {
     }
 
     /// Runs a role; the role must return once the token is cancelled.
-    pub fn spawn<F>(&mut self, name: &'static str, role: F)
+    pub fn spawn<F, E>(&mut self, name: &'static str, role: F)
     where
-        F: Future<Output = ()> + Send + 'static,
+        F: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<anyhow::Error> + Send + 'static,
     {
-        self.roles.spawn(async move {
-            role.await;
-            name
-        });
+        let handle = self
+            .roles
+            .spawn(async move { role.await.map_err(Into::into) });
+        self.names.insert(handle.id(), name);
     }
 
-    /// Waits for a signal (or for any role to end), then for every role.
-    pub async fn run_until_signal(mut self) {
+    /// Waits for SIGINT/SIGTERM (or for any role to end), stops every role,
+    /// and returns the first failure, naming its role.
+    pub async fn run_until_signal(self) -> Result<(), SupervisorError> {
+        self.run_until(shutdown_signal()).await
+    }
+
+    /// As [`Supervisor::run_until_signal`], with the stop request given.
+    pub async fn run_until(
+        mut self,
+        stop: impl Future<Output = &'static str>,
+    ) -> Result<(), SupervisorError> {
         let token = self.token.clone();
+        let mut first: Option<SupervisorError> = None;
         tokio::select! {
-            signal = shutdown_signal() => info!(signal, "shutting down"),
-            ended = self.roles.join_next() => {
-                match ended {
-                    Some(Ok(name)) => info!(role = name, "role ended; stopping the others"),
-                    Some(Err(err)) => error!(%err, "a role panicked; stopping the others"),
-                    None => {}
+            signal = stop => info!(signal, "shutting down"),
+            ended = self.roles.join_next_with_id() => {
+                if let Some(ended) = ended {
+                    let failure = self.judge(ended, false);
+                    if let Some(failure) = &failure {
+                        error!(%failure, "stopping the other roles");
+                    }
+                    first = failure;
                 }
             }
         }
         token.cancel();
-        while let Some(ended) = self.roles.join_next().await {
-            if let Err(err) = ended {
-                error!(%err, "a role panicked during shutdown");
+        while let Some(ended) = self.roles.join_next_with_id().await {
+            if let Some(failure) = self.judge(ended, true) {
+                error!(%failure, "during shutdown");
+                first.get_or_insert(failure);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn judge(
+        &self,
+        ended: Result<(Id, anyhow::Result<()>), tokio::task::JoinError>,
+        stopping: bool,
+    ) -> Option<SupervisorError> {
+        let name = |id: Id| self.names.get(&id).copied().unwrap_or("unknown");
+        match ended {
+            Ok((_, Ok(()))) if stopping => None,
+            Ok((id, Ok(()))) => Some(SupervisorError::Ended { role: name(id) }),
+            Ok((id, Err(source))) => Some(SupervisorError::Failed {
+                role: name(id),
+                source,
+            }),
+            Err(err) => {
+                let role = name(err.id());
+                let message = if err.is_panic() {
+                    let payload = err.into_panic();
+                    payload
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "(no message)".to_string())
+                } else {
+                    "cancelled".to_string()
+                };
+                Some(SupervisorError::Panicked { role, message })
             }
         }
     }
@@ -95,5 +160,53 @@ pub async fn shutdown_signal() -> &'static str {
     tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failing_role_stops_the_others_and_is_named() {
+        let mut sup = Supervisor::new();
+        let token = sup.token();
+        sup.spawn("waits", async move {
+            token.cancelled().await;
+            Ok::<_, anyhow::Error>(())
+        });
+        sup.spawn("breaks", async { Err(anyhow::anyhow!("disk on fire")) });
+        let err = sup
+            .run_until(std::future::pending())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "role `breaks` failed: disk on fire");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_role_is_named_with_its_message() {
+        let mut sup = Supervisor::new();
+        sup.spawn("boom", async {
+            if true {
+                panic!("bad state");
+            }
+            Ok::<_, anyhow::Error>(())
+        });
+        let err = sup.run_until(std::future::pending()).await.unwrap_err();
+        assert_eq!(err.to_string(), "role `boom` panicked: bad state");
+    }
+
+    #[tokio::test]
+    async fn a_stop_request_ends_every_role_cleanly() {
+        let mut sup = Supervisor::new();
+        for name in ["a", "b"] {
+            let token = sup.token();
+            sup.spawn(name, async move {
+                token.cancelled().await;
+                Ok::<_, anyhow::Error>(())
+            });
+        }
+        sup.run_until(async { "test" }).await.unwrap();
     }
 }

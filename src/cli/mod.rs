@@ -5,8 +5,10 @@
 mod backfill;
 mod consume;
 mod enqueue;
+mod janitor;
 mod jobs;
 mod migrate;
+mod ops;
 mod route;
 mod run;
 mod schedules;
@@ -54,8 +56,10 @@ enum Command {
     Jobs(jobs::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
     Stats(stats::Args),
-    /// Run the service roles (scheduler, reaper, relay) until SIGINT/SIGTERM.
+    /// Run the service roles (scheduler, reaper, janitor, metrics, relay) until SIGINT/SIGTERM.
     Run(run::Args),
+    /// Delete finished jobs and published outbox rows past retention.
+    Janitor(janitor::Args),
     /// Run jobs with shell-command handlers until SIGINT/SIGTERM.
     Work(work::Args),
     /// Check, list and preview schedules.
@@ -128,23 +132,9 @@ impl Ctx {
     /// Connects to a database that must already have the schema.
     pub async fn pool(&self) -> anyhow::Result<PgPool> {
         let pool = db::connect(&self.database_url, 2).await?;
-        let applied: Vec<i64> =
-            if sqlx::query_scalar::<_, bool>("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-                .fetch_one(&pool)
-                .await
-                .context("checking the almanac schema")?
-            {
-                sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                    .fetch_all(&pool)
-                    .await
-                    .context("checking the almanac schema")?
-            } else {
-                Vec::new()
-            };
-        let pending = db::MIGRATOR
-            .iter()
-            .filter(|m| !applied.contains(&m.version))
-            .count();
+        let pending = db::pending_migrations(&pool)
+            .await
+            .context("checking the almanac schema")?;
         if pending > 0 {
             bail!(
                 "{} lacks {pending} almanac migration{}; run `almanac migrate` (or start `almanac run`) first",
@@ -185,6 +175,7 @@ pub async fn main() -> ExitCode {
         Command::Jobs(args) => jobs::run(&ctx, args).await,
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,
+        Command::Janitor(args) => janitor::run(&ctx, args).await,
         Command::Work(args) => work::run(&ctx, args).await,
         Command::Schedules(args) => schedules::run(&ctx, args).await,
         Command::Backfill(args) => backfill::run_backfill(&ctx, args).await,

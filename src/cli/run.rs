@@ -1,21 +1,32 @@
 //! `almanac run`: the service roles until SIGINT/SIGTERM.
+//!
+//! With no flags and no config file it runs the scheduler (on `schedules/`),
+//! the reaper, the janitor and the metrics collector, serves
+//! 127.0.0.1:9797, and adds the relay only when a sink is configured.
+//! Everything is validated, the schedule files loaded and the HTTP port bound
+//! before any role starts, so bad input fails the start and nothing runs.
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use tokio::sync::mpsc;
 
+use super::ops::{HttpFlags, JanitorFlags};
 use super::sinks::SinkFlags;
 use super::{Ctx, SchedulesDir};
 use crate::config::HumanDuration;
-use crate::maintenance::{Reaper, ReaperConfig};
+use crate::http::HttpAddr;
+use crate::maintenance::{Janitor, Reaper, ReaperConfig};
+use crate::metrics::{Collector, CollectorConfig};
 use crate::relay::{Publisher, Relay, RelayConfig};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::supervisor::Supervisor;
 
-const ROLES: [&str; 3] = ["scheduler", "reaper", "relay"];
+const ROLES: [&str; 5] = ["scheduler", "reaper", "janitor", "metrics", "relay"];
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Roles to run, comma-separated [default: scheduler,reaper, and relay when a sink is configured].
+    /// Roles to run, comma-separated, of scheduler, reaper, janitor, metrics,
+    /// relay [default: scheduler, reaper, janitor, metrics when the HTTP
+    /// endpoint is on, and relay when a sink is configured].
     #[arg(long, env = "ALMANAC_ROLES", value_delimiter = ',')]
     roles: Vec<String>,
     #[command(flatten)]
@@ -26,42 +37,135 @@ pub struct Args {
     /// How often the reaper sweeps expired leases [default: 5s].
     #[arg(long, env = "ALMANAC_REAPER_INTERVAL")]
     reaper_interval: Option<HumanDuration>,
+    /// Most expired leases the reaper takes per statement [default: 500].
+    #[arg(long, env = "ALMANAC_REAPER_BATCH_SIZE")]
+    reaper_batch_size: Option<i64>,
+    /// How often the metrics collector reads the database [default: 5s].
+    #[arg(long, env = "ALMANAC_METRICS_INTERVAL")]
+    metrics_interval: Option<HumanDuration>,
     /// Broker-route jobs ready this long with no recent message get a fresh one [default: 5m].
     #[arg(long, env = "ALMANAC_REDRIVE_AFTER")]
     redrive_after: Option<HumanDuration>,
+    #[command(flatten)]
+    http: HttpFlags,
+    #[command(flatten)]
+    janitor: JanitorFlags,
     #[command(flatten)]
     sinks: SinkFlags,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
-    let mut roles: Vec<String> = if !args.roles.is_empty() {
-        args.roles.clone()
+    let sinks = args.sinks.resolve(ctx);
+    let explicit: Option<Vec<String>> = if !args.roles.is_empty() {
+        Some(args.roles.clone())
     } else {
-        ctx.config
-            .roles
-            .clone()
-            .unwrap_or_else(|| ROLES.iter().map(|r| r.to_string()).collect())
+        ctx.config.roles.clone()
     };
-    roles.iter_mut().for_each(|r| *r = r.trim().to_string());
-    if let Some(bad) = roles.iter().find(|r| !ROLES.contains(&r.as_str())) {
-        bail!("unknown role `{bad}`; roles are {}", ROLES.join(", "));
-    }
+    let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
+    let roles: Vec<String> = match explicit {
+        Some(list) => {
+            let list: Vec<String> = list.iter().map(|r| r.trim().to_string()).collect();
+            if let Some(bad) = list.iter().find(|r| !ROLES.contains(&r.as_str())) {
+                bail!(
+                    "unknown role `{bad}` in --roles (or `roles`); roles are {}",
+                    ROLES.join(", ")
+                );
+            }
+            list
+        }
+        None => ROLES
+            .iter()
+            .filter(|r| match **r {
+                "relay" => !sinks.configured().is_empty(),
+                "metrics" => http.is_some(),
+                _ => true,
+            })
+            .map(|r| r.to_string())
+            .collect(),
+    };
     let wants = |role: &str| roles.iter().any(|r| r == role);
+    if wants("relay") && sinks.configured().is_empty() {
+        bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url (or leave `relay` out of --roles)");
+    }
+    if wants("metrics") && http.is_none() {
+        bail!("the metrics role feeds the HTTP endpoint, which is off: set --http-addr (or leave `metrics` out of --roles)");
+    }
 
-    // Load the schedule files before anything else: a bad file fails the start.
+    // Validate every setting and load the schedule files before anything
+    // starts: bad input fails the start, and nothing runs half-configured.
+    let reaper = {
+        let d = ReaperConfig::default();
+        ReaperConfig {
+            interval: args
+                .reaper_interval
+                .or(ctx.config.reaper.interval)
+                .map_or(d.interval, |h| h.0),
+            batch_size: args
+                .reaper_batch_size
+                .or(ctx.config.reaper.batch_size)
+                .unwrap_or(d.batch_size),
+        }
+    };
+    reaper.validate().map_err(anyhow::Error::msg)?;
+    let janitor = args.janitor.resolve(ctx)?;
+    let collector = CollectorConfig {
+        interval: args
+            .metrics_interval
+            .or(ctx.config.metrics.interval)
+            .map_or(CollectorConfig::default().interval, |h| h.0),
+    };
+    collector.validate().map_err(anyhow::Error::msg)?;
+    let relay = {
+        let d = RelayConfig::default();
+        RelayConfig {
+            redrive_after: args
+                .redrive_after
+                .or(ctx.config.relay.redrive_after)
+                .map_or(d.redrive_after, |h| h.0),
+            ..d
+        }
+    };
+    crate::config::positive(
+        "--redrive-after ([relay] redrive_after)",
+        relay.redrive_after,
+    )
+    .map_err(anyhow::Error::msg)?;
     let scheduler = if wants("scheduler") {
-        let defaults = SchedulerConfig::default();
+        let d = SchedulerConfig::default();
         let config = SchedulerConfig {
             schedules_dir: args.schedules.resolve(ctx),
-            standby_retry: args.standby_retry.map_or(defaults.standby_retry, |d| d.0),
-            ..defaults
+            standby_retry: args
+                .standby_retry
+                .or(ctx.config.scheduler.standby_retry)
+                .map_or(d.standby_retry, |h| h.0),
+            ..d
         };
+        crate::config::positive(
+            "--standby-retry ([scheduler] standby_retry)",
+            config.standby_retry,
+        )
+        .map_err(anyhow::Error::msg)?;
         Some(Scheduler::new(ctx.connect_options()?, config)?)
     } else {
         None
     };
+    let publishers = if wants("relay") {
+        sinks
+            .configured()
+            .into_iter()
+            .map(|sink| {
+                Publisher::new(sink, &sinks).with_context(|| format!("starting the {sink} relay"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+
     let pool = ctx.migrated_pool(8).await?;
     let mut supervisor = Supervisor::new();
+    if let Some(server) = http {
+        supervisor.spawn("http", server.run(supervisor.token()));
+    }
     if let Some(scheduler) = scheduler {
         let (reload_tx, reload_rx) = mpsc::channel(1);
         tokio::spawn(async move {
@@ -74,42 +178,39 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 let _ = reload_tx.try_send(());
             }
         });
-        supervisor.spawn("scheduler", scheduler.run(supervisor.token(), reload_rx));
+        let token = supervisor.token();
+        supervisor.spawn("scheduler", async move {
+            scheduler.run(token, reload_rx).await;
+            Ok::<_, anyhow::Error>(())
+        });
     }
     if wants("reaper") {
-        let defaults = ReaperConfig::default();
-        let reaper = ReaperConfig {
-            interval: args
-                .reaper_interval
-                .or(ctx.config.reaper.interval)
-                .map_or(defaults.interval, |d| d.0),
-            batch_size: ctx.config.reaper.batch_size.unwrap_or(defaults.batch_size),
-        };
         supervisor.spawn(
             "reaper",
             Reaper::new(pool.clone(), reaper).run(supervisor.token()),
         );
     }
-    if wants("relay") {
-        let sinks = args.sinks.resolve(ctx);
-        if sinks.configured().is_empty() {
-            bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url");
-        }
-        let defaults = RelayConfig::default();
-        let config = RelayConfig {
-            redrive_after: args
-                .redrive_after
-                .or(ctx.config.relay.redrive_after)
-                .map_or(defaults.redrive_after, |d| d.0),
-            ..defaults
-        };
-        for sink in sinks.configured() {
-            let publisher = Publisher::new(sink, &sinks)?;
-            let relay = Relay::new(pool.clone(), publisher, config.clone());
-            supervisor.spawn("relay", relay.run(supervisor.token()));
-        }
+    if wants("janitor") {
+        supervisor.spawn(
+            "janitor",
+            Janitor::new(pool.clone(), janitor).run(supervisor.token()),
+        );
+    }
+    if wants("metrics") {
+        supervisor.spawn(
+            "metrics",
+            Collector::new(pool.clone(), collector).run(supervisor.token()),
+        );
+    }
+    for publisher in publishers {
+        let relay = Relay::new(pool.clone(), publisher, relay.clone());
+        let token = supervisor.token();
+        supervisor.spawn("relay", async move {
+            relay.run(token).await;
+            Ok::<_, anyhow::Error>(())
+        });
     }
     tracing::info!(roles = %roles.join(","), "almanac running");
-    supervisor.run_until_signal().await;
+    supervisor.run_until_signal().await?;
     Ok(())
 }

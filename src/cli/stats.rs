@@ -1,35 +1,75 @@
-//! `almanac stats [--json]`
+//! `almanac stats [--json]`: the figures `/metrics` exports from the
+//! database, for a person: jobs by kind and status, the oldest due job per
+//! kind, expired leases, the outbox per sink, and who leads the scheduler.
 
 use super::Ctx;
-use crate::queue;
+use crate::metrics::Snapshot;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// One JSON object instead of a table.
+    /// One JSON object instead of tables.
     #[arg(long)]
     json: bool,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.pool().await?;
-    let stats = queue::stats(&mut *pool.acquire().await?).await?;
+    let s = Snapshot::read(&mut *pool.acquire().await?).await?;
     if args.json {
-        println!("{}", serde_json::to_string(&stats)?);
+        println!("{}", serde_json::to_string(&s)?);
         return Ok(());
     }
     println!("{:<24} {:<8} {:>10}", "KIND", "STATUS", "JOBS");
-    for row in &stats.by_kind_status {
-        println!("{:<24} {:<8} {:>10}", row.kind, row.status, row.count);
+    for row in &s.jobs.by_kind_status {
+        println!(
+            "{:<24} {:<8} {:>10}",
+            row.kind,
+            row.status.as_str(),
+            row.count
+        );
     }
-    if stats.by_kind_status.is_empty() {
-        println!("(no jobs)");
+    if s.jobs.by_kind_status.is_empty() {
+        println!("(no ready, running or dead jobs)");
     }
-    println!();
     println!(
-        "oldest due ready job:   {:.1}s waiting",
-        stats.oldest_due_ready_seconds
+        "{:<24} {:<8} {:>10}",
+        "(all kinds)",
+        "done",
+        format!("~{}", s.jobs.done_estimate)
     );
-    println!("expired leases:         {}", stats.expired_leases);
-    println!("dead jobs:              {}", stats.dead);
+    println!();
+    if !s.jobs.oldest_due_ready.is_empty() {
+        println!("{:<24} {:>18}", "KIND", "OLDEST DUE (WAIT)");
+        for age in &s.jobs.oldest_due_ready {
+            println!("{:<24} {:>17.1}s", age.kind, age.seconds);
+        }
+        println!();
+    }
+    println!("expired leases:         {}", s.jobs.expired_leases);
+    println!("dead jobs:              {}", s.jobs.dead);
+    if s.outbox.is_empty() {
+        println!("outbox:                 empty");
+    }
+    for sink in &s.outbox {
+        println!(
+            "outbox {:<15} {} unpublished, oldest {:.1}s",
+            format!("{}:", sink.sink),
+            sink.backlog,
+            sink.oldest_seconds
+        );
+    }
+    match &s.leader {
+        Some(l) => println!(
+            "scheduler leader:       backend pid {} ({}{}), leading for up to {:.0}s",
+            l.pid,
+            l.application_name,
+            l.client_addr
+                .as_deref()
+                .map(|a| format!(" from {a}"))
+                .unwrap_or_default(),
+            l.session_seconds
+        ),
+        None => println!("scheduler leader:       none (no `almanac run` holds the lock)"),
+    }
     Ok(())
 }

@@ -22,6 +22,19 @@ pub struct ReaperConfig {
     pub batch_size: i64,
 }
 
+impl ReaperConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        crate::config::positive("--reaper-interval ([reaper] interval)", self.interval)?;
+        if self.batch_size < 1 {
+            return Err(format!(
+                "--reaper-batch-size ([reaper] batch_size) must be at least 1, got {}",
+                self.batch_size
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for ReaperConfig {
     fn default() -> Self {
         ReaperConfig {
@@ -48,18 +61,19 @@ impl Reaper {
             let batch = queue::reap_expired(&self.pool, self.config.batch_size).await?;
             total.requeued += batch.requeued;
             total.buried += batch.buried;
+            crate::metrics::record_reaped(batch.requeued + batch.buried);
             if ((batch.requeued + batch.buried) as i64) < self.config.batch_size {
                 return Ok(total);
             }
         }
     }
 
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), QueueError> {
         let mut tick = tokio::time::interval(self.config.interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
         loop {
             tokio::select! {
-                _ = shutdown.cancelled() => return,
+                _ = shutdown.cancelled() => return Ok(()),
                 _ = tick.tick() => {}
             }
             match self.run_once().await {

@@ -101,29 +101,64 @@ pub struct KindStatusCount {
     pub count: i64,
 }
 
-/// The queue at a glance; `almanac stats` and `/metrics` print it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct KindAge {
+    pub kind: String,
+    /// Seconds since the kind's oldest due ready job became due.
+    pub seconds: f64,
+}
+
+/// The queue at a glance; `almanac stats` and the metrics collector read it.
+///
+/// Cheap on a table of millions of finished jobs: every count walks a partial
+/// index of unfinished (`ready`, `running`) or `dead` rows, never `done` ones;
+/// `done` is PostgreSQL's row estimate minus the rest.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
+    /// Ready, running and dead jobs per kind (kinds with none are absent).
     pub by_kind_status: Vec<KindStatusCount>,
-    /// Seconds since the oldest due ready job became due (0 when none).
+    /// Per kind with due ready jobs: how long the oldest has waited.
+    pub oldest_due_ready: Vec<KindAge>,
+    /// Seconds since the oldest due ready job of any kind became due (0 when none).
     pub oldest_due_ready_seconds: f64,
     /// Running jobs whose lease has expired and that the reaper has not taken back yet.
     pub expired_leases: i64,
     pub dead: i64,
+    /// An estimate (planner statistics): exact counts of done jobs cost a full scan.
+    pub done_estimate: i64,
 }
 
 pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
     let by_kind_status = sqlx::query_as::<_, KindStatusCount>(
-        "SELECT kind, status, count(*) AS count FROM almanac.jobs GROUP BY kind, status ORDER BY kind, status",
+        r#"
+        SELECT kind, status, count(*) AS count FROM almanac.jobs
+         WHERE status = 'ready' GROUP BY kind, status
+        UNION ALL
+        SELECT kind, status, count(*) FROM almanac.jobs
+         WHERE status = 'running' GROUP BY kind, status
+        UNION ALL
+        SELECT kind, status, count(*) FROM almanac.jobs
+         WHERE status = 'dead' GROUP BY kind, status
+        ORDER BY kind, status
+        "#,
     )
     .fetch_all(&mut *conn)
     .await?;
-    let (oldest, expired): (Option<f64>, i64) = sqlx::query_as(
+    let oldest_due_ready = sqlx::query_as::<_, KindAge>(
         r#"
-        SELECT
-          (SELECT extract(epoch FROM now() - min(run_at))::float8 FROM almanac.jobs
-             WHERE status = 'ready' AND run_at <= now()),
-          (SELECT count(*) FROM almanac.jobs WHERE status = 'running' AND lease_until < clock_timestamp())
+        SELECT kind, greatest(extract(epoch FROM now() - min(run_at)), 0)::float8 AS seconds
+          FROM almanac.jobs WHERE status = 'ready' AND run_at <= now()
+         GROUP BY kind ORDER BY kind
+        "#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let (expired, estimate): (i64, f64) = sqlx::query_as(
+        r#"
+        SELECT (SELECT count(*) FROM almanac.jobs
+                 WHERE status = 'running' AND lease_until < clock_timestamp()),
+               (SELECT greatest(reltuples, 0)::float8 FROM pg_class
+                 WHERE oid = 'almanac.jobs'::regclass)
         "#,
     )
     .fetch_one(&mut *conn)
@@ -133,10 +168,16 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         .filter(|c| c.status == JobStatus::Dead)
         .map(|c| c.count)
         .sum();
+    let unfinished: i64 = by_kind_status.iter().map(|c| c.count).sum();
     Ok(Stats {
+        oldest_due_ready_seconds: oldest_due_ready
+            .iter()
+            .map(|k| k.seconds)
+            .fold(0.0, f64::max),
         by_kind_status,
-        oldest_due_ready_seconds: oldest.unwrap_or(0.0).max(0.0),
+        oldest_due_ready,
         expired_leases: expired,
         dead,
+        done_estimate: (estimate as i64 - unfinished).max(0),
     })
 }

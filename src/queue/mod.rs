@@ -35,18 +35,20 @@ mod admin;
 mod backoff;
 mod enqueue;
 mod lease;
+mod retention;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-pub use admin::{cancel, get, list, retry, stats, JobFilter, KindStatusCount, Stats};
+pub use admin::{cancel, get, list, retry, stats, JobFilter, KindAge, KindStatusCount, Stats};
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
     Claim, Failure, Fenced, ReapReport,
 };
+pub use retention::delete_finished;
 
 /// Where a job stands in the state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type, Serialize)]

@@ -20,6 +20,7 @@
 //!   skipped) gets a fresh one, so broker mode never strands a job.
 //! - LISTEN/NOTIFY (`almanac_outbox`) wakes the relay; polling is the safety net.
 
+pub mod backlog;
 pub mod kafka;
 pub mod rabbitmq;
 pub mod routes;
@@ -196,6 +197,8 @@ impl Relay {
             warn!(%sink, failed = failed_ids.len(), error = %errors[0], "publishing failed; rows stay unpublished and will be retried");
         }
         tx.commit().await?;
+        crate::metrics::record_published(sink.as_str(), published.len() as u64);
+        crate::metrics::record_publish_failed(sink.as_str(), failed_ids.len() as u64);
         Ok(RelayReport {
             published: published.len() as u64,
             failed: failed_ids.len() as u64,

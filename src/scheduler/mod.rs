@@ -120,6 +120,7 @@ impl Scheduler {
                     pause = self.config.standby_retry;
                     info!("became scheduler leader");
                     self.leading.store(true, Ordering::SeqCst);
+                    crate::metrics::record_leadership(true);
                     let ended = loop {
                         match self.lead(&mut leadership, &shutdown, &mut reload).await {
                             Ended::Reload => self.reload(),
@@ -127,6 +128,7 @@ impl Scheduler {
                         }
                     };
                     self.leading.store(false, Ordering::SeqCst);
+                    crate::metrics::record_leadership(false);
                     match ended {
                         Ended::Shutdown => {
                             leadership.release().await;

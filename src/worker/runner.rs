@@ -15,6 +15,7 @@ use tracing::{debug, error, info, warn};
 use uuid::Uuid;
 
 use super::{Handler, HandlerError, JobContext, WorkerConfig};
+use crate::metrics;
 use crate::queue::{self, Claim, Fenced, JobStatus, NOTIFY_CHANNEL};
 
 /// What a worker did before it stopped.
@@ -85,6 +86,8 @@ struct Outcome {
     id: i64,
     token: Uuid,
     attempt: i32,
+    kind: String,
+    ran: Duration,
     result: Result<(), HandlerError>,
     _slot: OwnedSemaphorePermit,
 }
@@ -174,13 +177,20 @@ pub(super) async fn run(
             let handler = handlers[&job.kind].clone();
             let outcomes = outcomes.clone();
             running.spawn(async move {
-                let (id, attempt) = (job.id, job.attempts);
+                let (id, attempt, kind) = (job.id, job.attempts, job.kind.clone());
                 debug!(job_id = id, kind = %job.kind, attempt, "running");
+                let waited = (chrono::Utc::now() - job.run_at)
+                    .to_std()
+                    .unwrap_or_default();
+                metrics::record_started(&kind, waited);
+                let started = std::time::Instant::now();
                 let result = super::invoke(handler.as_ref(), JobContext::new(job, cancel)).await;
                 let _ = outcomes.send(Outcome {
                     id,
                     token,
                     attempt,
+                    kind,
+                    ran: started.elapsed(),
                     result,
                     _slot: slot,
                 });
@@ -289,8 +299,16 @@ async fn record_done(shared: &Shared, done: &[Outcome]) {
         return;
     };
     Counters::add(&shared.counters.completed, held.len() as u64);
+    let held: HashSet<i64> = held.into_iter().collect();
+    for o in done {
+        let outcome = if held.contains(&o.id) {
+            metrics::Outcome::Completed
+        } else {
+            metrics::Outcome::LeaseLost
+        };
+        metrics::record_outcome(&o.kind, outcome, o.ran);
+    }
     if held.len() < leases.len() {
-        let held: HashSet<i64> = held.into_iter().collect();
         for (id, _) in leases.iter().filter(|(id, _)| !held.contains(id)) {
             Counters::add(&shared.counters.lost, 1);
             warn!(
@@ -308,6 +326,15 @@ async fn record_failure(shared: &Shared, outcome: &Outcome) {
         queue::fail(&shared.pool, outcome.id, outcome.token, &failure)
     })
     .await;
+    let counted = match recorded {
+        Some(Fenced::Held(JobStatus::Dead)) => Some(metrics::Outcome::Dead),
+        Some(Fenced::Held(_)) => Some(metrics::Outcome::Retried),
+        Some(Fenced::Lost) => Some(metrics::Outcome::LeaseLost),
+        None => None,
+    };
+    if let Some(counted) = counted {
+        metrics::record_outcome(&outcome.kind, counted, outcome.ran);
+    }
     match recorded {
         Some(Fenced::Held(JobStatus::Dead)) => {
             Counters::add(&shared.counters.dead, 1);

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod http;
 pub mod proxy;
 
 use std::future::Future;

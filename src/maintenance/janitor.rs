@@ -1,0 +1,194 @@
+//! The janitor: deletes `done` jobs, `dead` jobs and published outbox rows
+//! past their retention, so the tables stop growing forever.
+//!
+//! It deletes in batches of `batch_size` rows (oldest first, SKIP LOCKED, one
+//! short transaction each) with `pause` between batches, so it never holds
+//! many row locks at once nor writes a burst of WAL that replicas and
+//! autovacuum must swallow in one go. Several janitors may run; they skip each
+//! other's rows. It never deletes ledger rows (`schedule_runs`): a deleted
+//! job leaves its logical run recorded, so the run is never emitted again.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::PgPool;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::positive;
+use crate::metrics;
+use crate::queue::{self, JobStatus, QueueError};
+use crate::relay::backlog;
+
+#[derive(Debug, Clone)]
+pub struct JanitorConfig {
+    /// How often a pass starts.
+    pub interval: Duration,
+    /// `done` jobs finished longer ago than this are deleted.
+    pub done_retention: Duration,
+    /// `dead` jobs finished longer ago than this are deleted.
+    pub dead_retention: Duration,
+    /// Outbox rows published longer ago than this are deleted.
+    pub outbox_retention: Duration,
+    /// Rows per delete statement.
+    pub batch_size: i64,
+    /// Pause between two batches.
+    pub pause: Duration,
+}
+
+impl Default for JanitorConfig {
+    fn default() -> Self {
+        JanitorConfig {
+            interval: Duration::from_secs(60),
+            done_retention: Duration::from_secs(7 * 86_400),
+            dead_retention: Duration::from_secs(30 * 86_400),
+            outbox_retention: Duration::from_secs(86_400),
+            batch_size: 1000,
+            pause: Duration::from_millis(100),
+        }
+    }
+}
+
+impl JanitorConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        positive("--janitor-interval ([janitor] interval)", self.interval)?;
+        positive(
+            "--done-retention ([janitor] done_retention)",
+            self.done_retention,
+        )?;
+        positive(
+            "--dead-retention ([janitor] dead_retention)",
+            self.dead_retention,
+        )?;
+        positive(
+            "--outbox-retention ([janitor] outbox_retention)",
+            self.outbox_retention,
+        )?;
+        if self.batch_size < 1 {
+            return Err(format!(
+                "--janitor-batch ([janitor] batch_size) must be at least 1, got {}",
+                self.batch_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one pass deleted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct JanitorReport {
+    pub done: u64,
+    pub dead: u64,
+    pub outbox: u64,
+    /// Delete statements run.
+    pub batches: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JanitorError {
+    #[error("the janitor could not delete old rows: {0}")]
+    Queue(#[from] QueueError),
+    #[error("the janitor could not delete old outbox rows: {0}")]
+    Outbox(#[from] sqlx::Error),
+}
+
+pub struct Janitor {
+    pool: PgPool,
+    config: JanitorConfig,
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    Jobs(JobStatus, &'static str),
+    Outbox,
+}
+
+impl Janitor {
+    pub fn new(pool: PgPool, config: JanitorConfig) -> Self {
+        Janitor { pool, config }
+    }
+
+    /// One pass over done jobs, dead jobs and published outbox rows, each in
+    /// batches until a batch comes back short. Stops early (with what it did
+    /// so far) when `shutdown` is cancelled.
+    pub async fn run_once_until(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<JanitorReport, JanitorError> {
+        let mut report = JanitorReport::default();
+        for target in [
+            Target::Jobs(JobStatus::Done, "done"),
+            Target::Jobs(JobStatus::Dead, "dead"),
+            Target::Outbox,
+        ] {
+            loop {
+                if shutdown.is_cancelled() {
+                    return Ok(report);
+                }
+                let deleted = self.delete_batch(target).await?;
+                report.batches += 1;
+                match target {
+                    Target::Jobs(JobStatus::Done, _) => report.done += deleted,
+                    Target::Jobs(_, _) => report.dead += deleted,
+                    Target::Outbox => report.outbox += deleted,
+                }
+                if (deleted as i64) < self.config.batch_size {
+                    break;
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(report),
+                    _ = tokio::time::sleep(self.config.pause) => {}
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// One whole pass.
+    pub async fn run_once(&self) -> Result<JanitorReport, JanitorError> {
+        self.run_once_until(&CancellationToken::new()).await
+    }
+
+    async fn delete_batch(&self, target: Target) -> Result<u64, JanitorError> {
+        let limit = self.config.batch_size;
+        let (what, deleted) = match target {
+            Target::Jobs(status, what) => {
+                let retention = match status {
+                    JobStatus::Done => self.config.done_retention,
+                    _ => self.config.dead_retention,
+                };
+                let n = queue::delete_finished(&self.pool, status, retention, limit).await?;
+                (what, n)
+            }
+            Target::Outbox => {
+                let n = backlog::delete_published(&self.pool, self.config.outbox_retention, limit)
+                    .await?;
+                ("outbox", n)
+            }
+        };
+        metrics::record_janitor_deleted(what, deleted);
+        Ok(deleted)
+    }
+
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), JanitorError> {
+        let mut tick = tokio::time::interval(self.config.interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tick.tick() => {}
+            }
+            match self.run_once_until(&shutdown).await {
+                Ok(r) if r.done + r.dead + r.outbox > 0 => info!(
+                    done = r.done,
+                    dead = r.dead,
+                    outbox = r.outbox,
+                    "janitor deleted rows past retention"
+                ),
+                Ok(_) => {}
+                Err(err) => warn!(%err, "janitor pass failed; the next pass retries"),
+            }
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Prometheus metrics: one registry per process, rendered at `/metrics` by
+//! [`crate::http`] with `prometheus-client` (never hand-formatted).
+//!
+//! Two kinds of figures, and where each comes from:
+//!
+//! - **Process counters and histograms** (`almanac_jobs_completed_total`,
+//!   `almanac_job_duration_seconds`, relay and reaper counters, leadership):
+//!   incremented by the role that did the work, through the `record_*`
+//!   functions below, one per outcome. They count what *this* process did, so
+//!   sum them across processes.
+//! - **Database figures** (`almanac_jobs`, oldest due ready age, expired leases,
+//!   outbox backlog, schedule lag): set by the [`collector`] role from a few
+//!   cheap queries on the partial indexes, at most every few seconds, never
+//!   one query per scrape. A label that disappears from the database (a kind
+//!   with no ready jobs left) is set to 0, not left at its last value.
+
+pub mod collector;
+pub mod snapshot;
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+pub use collector::{Collector, CollectorConfig};
+pub use snapshot::Snapshot;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindStatusLabel {
+    pub kind: String,
+    pub status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SinkLabel {
+    pub sink: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScheduleLabel {
+    pub schedule: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScheduleOutcomeLabel {
+    pub schedule: String,
+    pub outcome: String,
+}
+
+type Gauges<L> = Family<L, Gauge<f64, std::sync::atomic::AtomicU64>>;
+type Histograms = Family<KindLabel, Histogram, fn() -> Histogram>;
+
+/// Every metric family almanac exports.
+pub struct Metrics {
+    registry: Registry,
+    // From the database (the collector).
+    pub jobs: Gauges<KindStatusLabel>,
+    pub oldest_ready_age: Gauges<KindLabel>,
+    pub expired_leases: Gauge,
+    pub outbox_backlog: Gauges<SinkLabel>,
+    pub outbox_oldest_age: Gauges<SinkLabel>,
+    pub outbox_failed: Gauges<SinkLabel>,
+    pub schedule_lag: Gauges<ScheduleLabel>,
+    pub schedule_last_run: Gauges<ScheduleLabel>,
+    // From the process.
+    pub completed: Family<KindLabel, Counter>,
+    pub retried: Family<KindLabel, Counter>,
+    pub dead: Family<KindLabel, Counter>,
+    pub lease_lost: Family<KindLabel, Counter>,
+    pub duration: Histograms,
+    pub wait: Histograms,
+    pub reaper_recovered: Counter,
+    pub janitor_deleted: Family<KindLabel, Counter>,
+    pub relay_published: Family<SinkLabel, Counter>,
+    pub relay_failed: Family<SinkLabel, Counter>,
+    pub scheduler_leader: Gauge,
+    pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 1 ms to ~33 min, doubling: handler durations and queue waits alike.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.001, 2.0, 22,
+    ))
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("almanac");
+        let jobs = Gauges::<KindStatusLabel>::default();
+        registry.register(
+            "jobs",
+            "Jobs by kind and status (ready, running, dead), from the database",
+            jobs.clone(),
+        );
+        let oldest_ready_age = Gauges::<KindLabel>::default();
+        registry.register(
+            "oldest_ready_age_seconds",
+            "Age of the oldest due ready job per kind (0 when none), from the database",
+            oldest_ready_age.clone(),
+        );
+        let expired_leases = Gauge::default();
+        registry.register(
+            "expired_leases",
+            "Running jobs whose lease has expired and that no reaper has taken back yet",
+            expired_leases.clone(),
+        );
+        let outbox_backlog = Gauges::<SinkLabel>::default();
+        registry.register(
+            "outbox_backlog",
+            "Unpublished outbox rows per sink, from the database",
+            outbox_backlog.clone(),
+        );
+        let outbox_oldest_age = Gauges::<SinkLabel>::default();
+        registry.register(
+            "outbox_oldest_unpublished_age_seconds",
+            "Age of the oldest unpublished outbox row per sink (0 when none)",
+            outbox_oldest_age.clone(),
+        );
+        let outbox_failed = Gauges::<SinkLabel>::default();
+        registry.register(
+            "outbox_failed",
+            "Outbox rows per sink that the relay gave up on, from the database",
+            outbox_failed.clone(),
+        );
+        let schedule_lag = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_lag_seconds",
+            "Now minus the fire time of the latest due run with no ledger row (0 when none)",
+            schedule_lag.clone(),
+        );
+        let schedule_last_run = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_last_run_timestamp_seconds",
+            "Fire time (Unix seconds) of the latest run in the ledger per schedule",
+            schedule_last_run.clone(),
+        );
+        let completed = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "jobs_completed",
+            "Jobs this process completed",
+            completed.clone(),
+        );
+        let retried = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "jobs_retried",
+            "Failed attempts this process scheduled for retry",
+            retried.clone(),
+        );
+        let dead = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "jobs_dead",
+            "Jobs this process buried (permanent failure or attempts used up)",
+            dead.clone(),
+        );
+        let lease_lost = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "lease_lost",
+            "Executions whose lease was lost before their outcome was recorded",
+            lease_lost.clone(),
+        );
+        let duration: Histograms = Family::new_with_constructor(seconds_histogram);
+        registry.register(
+            "job_duration_seconds",
+            "Handler run time per kind",
+            duration.clone(),
+        );
+        let wait: Histograms = Family::new_with_constructor(seconds_histogram);
+        registry.register(
+            "job_wait_seconds",
+            "Time from a job being due (run_at) to its handler starting",
+            wait.clone(),
+        );
+        let reaper_recovered = Counter::default();
+        registry.register(
+            "reaper_recovered",
+            "Expired leases this process's reaper returned to ready or buried",
+            reaper_recovered.clone(),
+        );
+        let janitor_deleted = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "janitor_deleted",
+            "Rows this process's janitor deleted, by what they were (done, dead, outbox)",
+            janitor_deleted.clone(),
+        );
+        let relay_published = Family::<SinkLabel, Counter>::default();
+        registry.register(
+            "relay_published",
+            "Outbox rows this process published and marked",
+            relay_published.clone(),
+        );
+        let relay_failed = Family::<SinkLabel, Counter>::default();
+        registry.register(
+            "relay_failed",
+            "Outbox publish attempts that failed in this process",
+            relay_failed.clone(),
+        );
+        let scheduler_leader = Gauge::default();
+        registry.register(
+            "scheduler_leader",
+            "1 while this process leads the scheduler, else 0",
+            scheduler_leader.clone(),
+        );
+        let schedule_runs = Family::<ScheduleOutcomeLabel, Counter>::default();
+        registry.register(
+            "schedule_runs",
+            "Logical runs this process recorded in the ledger, by outcome",
+            schedule_runs.clone(),
+        );
+        Metrics {
+            registry,
+            jobs,
+            oldest_ready_age,
+            expired_leases,
+            outbox_backlog,
+            outbox_oldest_age,
+            outbox_failed,
+            schedule_lag,
+            schedule_last_run,
+            completed,
+            retried,
+            dead,
+            lease_lost,
+            duration,
+            wait,
+            reaper_recovered,
+            janitor_deleted,
+            relay_published,
+            relay_failed,
+            scheduler_leader,
+            schedule_runs,
+        }
+    }
+
+    /// The Prometheus text exposition of every family.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// The process's metrics.
+pub fn global() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(Metrics::new)
+}
+
+fn kind(kind: &str) -> KindLabel {
+    KindLabel {
+        kind: kind.to_string(),
+    }
+}
+
+fn sink(sink: &str) -> SinkLabel {
+    SinkLabel {
+        sink: sink.to_string(),
+    }
+}
+
+/// A handler started: how long the job waited since it was due.
+pub fn record_started(job_kind: &str, waited: Duration) {
+    global()
+        .wait
+        .get_or_create(&kind(job_kind))
+        .observe(waited.as_secs_f64());
+}
+
+/// A job's outcome was recorded (or given up), with the handler's run time.
+pub fn record_outcome(job_kind: &str, outcome: Outcome, ran: Duration) {
+    let m = global();
+    let label = kind(job_kind);
+    m.duration.get_or_create(&label).observe(ran.as_secs_f64());
+    let family = match outcome {
+        Outcome::Completed => &m.completed,
+        Outcome::Retried => &m.retried,
+        Outcome::Dead => &m.dead,
+        Outcome::LeaseLost => &m.lease_lost,
+    };
+    family.get_or_create(&label).inc();
+}
+
+/// What became of one execution, as the metrics count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Completed,
+    Retried,
+    Dead,
+    LeaseLost,
+}
+
+pub fn record_reaped(rows: u64) {
+    global().reaper_recovered.inc_by(rows);
+}
+
+pub fn record_janitor_deleted(what: &str, rows: u64) {
+    global()
+        .janitor_deleted
+        .get_or_create(&kind(what))
+        .inc_by(rows);
+}
+
+pub fn record_published(sink_name: &str, rows: u64) {
+    global()
+        .relay_published
+        .get_or_create(&sink(sink_name))
+        .inc_by(rows);
+}
+
+pub fn record_publish_failed(sink_name: &str, rows: u64) {
+    global()
+        .relay_failed
+        .get_or_create(&sink(sink_name))
+        .inc_by(rows);
+}
+
+pub fn record_leadership(leading: bool) {
+    global().scheduler_leader.set(i64::from(leading));
+}
+
+pub fn record_schedule_run(schedule: &str, outcome: &str) {
+    global()
+        .schedule_runs
+        .get_or_create(&ScheduleOutcomeLabel {
+            schedule: schedule.to_string(),
+            outcome: outcome.to_string(),
+        })
+        .inc();
+}

@@ -1,0 +1,606 @@
+//! Operations: the README's first command serves, /healthz and /readyz tell
+//! the truth about the database, /metrics moves with real work, the janitor
+//! deletes exactly what retention says (in batches) and leaves the ledger
+//! whole, and bad operations settings fail the start with the flag named.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use almanac::http::HttpServer;
+use almanac::maintenance::{Janitor, JanitorConfig, Reaper, ReaperConfig};
+use almanac::metrics::{Collector, CollectorConfig};
+use almanac::queue::{self, JobStatus, NewJob};
+use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use common::http::{get, get_with, sample};
+use common::proxy::Proxy;
+use common::{count, eventually};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+fn almanac() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("ALMANAC_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "warn");
+    cmd
+}
+
+fn output(mut cmd: Command) -> Output {
+    cmd.stdin(Stdio::null()).output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).trim().to_string()
+}
+
+fn sigterm(child: &Child) {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+}
+
+/// Kills the child if the test ends early (a failed assertion), so no
+/// `almanac run` outlives its test and holds port 9797 or the database.
+struct KillOnDrop(Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `cargo run --release -- run`, as the README's first line runs it: from the
+/// repository root, no flags, no config file, no sink. It must serve (health,
+/// readiness, metrics on 127.0.0.1:9797) and still be serving seconds later,
+/// then stop cleanly on SIGTERM.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    assert!(
+        readme.contains("scripts/services.sh && cargo run --release -- run"),
+        "the README's first command is the one this test runs"
+    );
+    let mut cmd = almanac();
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("run")
+        .env("DATABASE_URL", &url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let child = std::sync::Mutex::new(KillOnDrop(Some(cmd.spawn().unwrap())));
+    let exited = || {
+        child
+            .lock()
+            .unwrap()
+            .0
+            .as_mut()
+            .unwrap()
+            .try_wait()
+            .unwrap()
+    };
+    let addr = "127.0.0.1:9797";
+    eventually(
+        "almanac run to answer /healthz on 127.0.0.1:9797",
+        Duration::from_secs(60),
+        || async {
+            if let Some(status) = exited() {
+                panic!("almanac run exited with {status} before serving (is port 9797 taken?)");
+            }
+            matches!(get(addr, "/healthz").await, Ok(r) if r.status == 200)
+        },
+    )
+    .await;
+    eventually("the scheduler to lead", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let ready = get(addr, "/readyz").await.unwrap();
+    assert_eq!((ready.status, ready.body.trim()), (200, "ready"));
+    // Still serving a few seconds later: no role ended or failed.
+    let since = std::time::Instant::now();
+    eventually("3 s of serving", Duration::from_secs(30), || async {
+        assert!(exited().is_none(), "almanac run exited while serving");
+        since.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    let metrics = get(addr, "/metrics").await.unwrap();
+    assert_eq!(metrics.status, 200);
+    assert_eq!(
+        sample(&metrics.body, "almanac_scheduler_leader", &[]),
+        Some(1.0),
+        "{}",
+        metrics.body
+    );
+    assert!(metrics.body.contains("# TYPE almanac_jobs gauge"));
+    let child = child.into_inner().unwrap().0.take().unwrap();
+    sigterm(&child);
+    let status = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "exit {:?}: {}",
+        status.status,
+        text(&status.stderr)
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn readyz_is_503_while_the_database_is_unreachable_and_200_when_it_is_back(pool: PgPool) {
+    let mut proxy = Proxy::postgres().await;
+    let options = (*pool.connect_options()).clone().port(proxy.port);
+    let server = HttpServer::bind("127.0.0.1:0".parse().unwrap(), None, &options)
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+
+    let ready = get(&addr, "/readyz").await.unwrap();
+    assert_eq!((ready.status, ready.body.trim()), (200, "ready"));
+
+    proxy.cut();
+    let reply = get(&addr, "/readyz").await.unwrap();
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert!(
+        reply.body.starts_with("the database does not answer"),
+        "{}",
+        reply.body
+    );
+    assert_eq!(
+        reply.body.trim().lines().count(),
+        1,
+        "one line: {}",
+        reply.body
+    );
+    let health = get(&addr, "/healthz").await.unwrap();
+    assert_eq!(
+        health.status, 200,
+        "liveness does not depend on the database"
+    );
+
+    proxy.restore().await;
+    eventually(
+        "/readyz to be 200 again",
+        Duration::from_secs(20),
+        || async {
+            get(&addr, "/readyz")
+                .await
+                .map(|r| r.status == 200)
+                .unwrap_or(false)
+        },
+    )
+    .await;
+
+    // Frozen (half-open): the probe gives up within its deadline.
+    proxy.freeze();
+    let frozen = get(&addr, "/readyz").await.unwrap();
+    assert_eq!(frozen.status, 503, "{}", frozen.body);
+    proxy.thaw();
+
+    stop.cancel();
+    serving.await.unwrap().unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn readyz_is_503_naming_missing_migrations(pool: PgPool) {
+    let server = HttpServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        &pool.connect_options(),
+    )
+    .await
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+    let reply = get(&addr, "/readyz").await.unwrap();
+    assert_eq!(reply.status, 503);
+    let n = almanac::db::MIGRATOR.iter().count();
+    assert_eq!(
+        reply.body.trim(),
+        format!("the database lacks {n} almanac migrations; run `almanac migrate`")
+    );
+    almanac::db::migrate(&pool).await.unwrap();
+    assert_eq!(get(&addr, "/readyz").await.unwrap().status, 200);
+    stop.cancel();
+    serving.await.unwrap().unwrap();
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn metrics_require_basic_auth_when_configured_but_probes_stay_open(pool: PgPool) {
+    let auth = "ops:s3cret".parse().unwrap();
+    let server = HttpServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Some(auth),
+        &pool.connect_options(),
+    )
+    .await
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+    assert_eq!(get(&addr, "/metrics").await.unwrap().status, 401);
+    assert_eq!(get(&addr, "/healthz").await.unwrap().status, 200);
+    // ops:s3cret
+    let ok = get_with(&addr, "/metrics", Some("Basic b3BzOnMzY3JldA=="))
+        .await
+        .unwrap();
+    assert_eq!(ok.status, 200);
+    stop.cancel();
+    serving.await.unwrap().unwrap();
+}
+
+/// Real work moves the metric families: completions, retries, deaths,
+/// reaper recoveries and the database gauges the collector sets.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn metric_families_move_after_real_work(pool: PgPool) {
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let ok = format!("ok_{tag}");
+    let flaky = format!("flaky_{tag}");
+    let doomed = format!("doomed_{tag}");
+    let stuck = format!("stuck_{tag}");
+    let mut conn = pool.acquire().await.unwrap();
+    for _ in 0..3 {
+        queue::enqueue(&mut conn, &NewJob::new(ok.as_str()))
+            .await
+            .unwrap();
+    }
+    queue::enqueue(&mut conn, &NewJob::new(flaky.as_str()).max_attempts(2))
+        .await
+        .unwrap();
+    queue::enqueue(&mut conn, &NewJob::new(doomed.as_str()))
+        .await
+        .unwrap();
+    let stuck_id = queue::enqueue(&mut conn, &NewJob::new(stuck.as_str()).max_attempts(3))
+        .await
+        .unwrap()
+        .id();
+    // A lease that expires: claimed by a "worker" that then vanishes.
+    let kinds = [stuck.clone()];
+    let claimed = queue::claim(
+        &pool,
+        &queue::Claim {
+            kinds: &kinds,
+            limit: 1,
+            lease: Duration::from_millis(200),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(claimed.len(), 1);
+
+    let config = WorkerConfig {
+        poll_interval: Duration::from_millis(50),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(pool.clone(), config)
+        .register(ok.clone(), |_ctx: JobContext| async { Ok(()) })
+        .register(flaky.clone(), |_ctx: JobContext| async {
+            Err(HandlerError::retry_after("not yet", Duration::ZERO))
+        })
+        .register(doomed.clone(), |_ctx: JobContext| async {
+            Err(HandlerError::permanent("never"))
+        });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("ok, flaky and doomed jobs to finish", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status IN ('done', 'dead') AND kind NOT LIKE 'stuck%'",
+        )
+        .await
+            == 5
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+
+    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    eventually(
+        "the stuck lease to be reaped",
+        Duration::from_secs(20),
+        || async {
+            reaper.run_once().await.unwrap();
+            queue::get(&pool, stuck_id).await.unwrap().status == JobStatus::Ready
+        },
+    )
+    .await;
+
+    Collector::new(pool.clone(), CollectorConfig::default())
+        .run_once()
+        .await
+        .unwrap();
+    let text = almanac::metrics::global().render();
+    let value = |name: &str, labels: &[(&str, &str)]| sample(&text, name, labels).unwrap_or(0.0);
+    assert_eq!(
+        value("almanac_jobs_completed_total", &[("kind", &ok)]),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        value("almanac_jobs_retried_total", &[("kind", &flaky)]),
+        1.0
+    );
+    assert_eq!(value("almanac_jobs_dead_total", &[("kind", &flaky)]), 1.0);
+    assert_eq!(value("almanac_jobs_dead_total", &[("kind", &doomed)]), 1.0);
+    assert!(value("almanac_reaper_recovered_total", &[]) >= 1.0);
+    assert_eq!(
+        value("almanac_job_duration_seconds_count", &[("kind", &ok)]),
+        3.0
+    );
+    assert_eq!(
+        value("almanac_job_wait_seconds_count", &[("kind", &ok)]),
+        3.0
+    );
+    // From the database, through the collector.
+    assert_eq!(
+        value("almanac_jobs", &[("kind", &doomed), ("status", "dead")]),
+        1.0
+    );
+    assert_eq!(
+        value("almanac_jobs", &[("kind", &flaky), ("status", "dead")]),
+        1.0
+    );
+    assert_eq!(
+        value("almanac_jobs", &[("kind", &stuck), ("status", "ready")]),
+        1.0
+    );
+    assert_eq!(
+        value("almanac_jobs", &[("kind", &ok), ("status", "ready")]),
+        0.0
+    );
+    assert!(value("almanac_oldest_ready_age_seconds", &[("kind", &stuck)]) > 0.0);
+    assert_eq!(value("almanac_expired_leases", &[]), 0.0);
+}
+
+async fn finished_job(pool: &PgPool, kind: &str, status: &str, days_ago: i64) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO almanac.jobs (kind, status, attempts, finished_at, run_at)
+         VALUES ($1, $2, 1, now() - make_interval(days => $3::int), now() - make_interval(days => $3::int))
+         RETURNING id",
+    )
+    .bind(kind)
+    .bind(status)
+    .bind(days_ago as i32)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Retention deletes exactly what is past it, in batches, and never a ledger
+/// row: the logical run of a deleted job stays recorded.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool) {
+    let mut old_done = Vec::new();
+    for _ in 0..5 {
+        old_done.push(finished_job(&pool, "report", "done", 8).await);
+    }
+    let recent_done = finished_job(&pool, "report", "done", 6).await;
+    let old_dead = finished_job(&pool, "report", "dead", 31).await;
+    let recent_dead = finished_job(&pool, "report", "dead", 29).await;
+    let ready = queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("report"))
+        .await
+        .unwrap()
+        .id();
+    // A ledger row pointing at an old done job.
+    sqlx::query(
+        "INSERT INTO almanac.schedules (name, cron, timezone, kind, payload, catchup, catchup_window,
+                                        overlap, max_attempts, enabled, definition_hash)
+         VALUES ('nightly', '0 2 * * *', 'UTC', 'report', '{}', 'all', '7 days', 'allow', 5, true, 'h')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO almanac.schedule_runs (schedule, logical_run, fire_at, job_id, source, outcome)
+         VALUES ('nightly', '2026-01-01', now() - interval '8 days', $1, 'tick', 'emitted')",
+    )
+    .bind(old_done[0])
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Outbox rows: published long ago, recently, and never.
+    sqlx::query("INSERT INTO almanac.routes (kind, mode, sink, destination) VALUES ('report', 'dual', 'rabbitmq', 'q')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for (age, published) in [
+        ("2 days", true),
+        ("2 days", true),
+        ("1 hour", true),
+        ("3 days", false),
+    ] {
+        sqlx::query(&format!(
+            "INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at, published_at)
+             VALUES ($1, 'rabbitmq', 'q', 'k', '{{}}', '{{}}', now(), {})",
+            if published { format!("now() - interval '{age}'") } else { "NULL".to_string() }
+        ))
+        .bind(recent_done)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+
+    let janitor = Janitor::new(
+        pool.clone(),
+        JanitorConfig {
+            batch_size: 2,
+            pause: Duration::from_millis(1),
+            ..JanitorConfig::default()
+        },
+    );
+    let report = janitor.run_once().await.unwrap();
+    assert_eq!((report.done, report.dead, report.outbox), (5, 1, 2));
+    // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); outbox: 2 + 0 = 2.
+    assert_eq!(report.batches, 6);
+
+    let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM almanac.jobs ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let mut expected = vec![recent_done, old_dead, recent_dead, ready];
+    expected.retain(|id| *id != old_dead);
+    expected.sort();
+    assert_eq!(left, expected);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL"
+        )
+        .await,
+        1,
+        "unpublished rows are never deleted"
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.outbox").await, 2);
+    let (runs, job): (i64, Option<i64>) =
+        sqlx::query_as("SELECT count(*), max(job_id) FROM almanac.schedule_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (runs, job),
+        (1, None),
+        "the ledger row stays, without its job"
+    );
+
+    // A second pass finds nothing.
+    let again = janitor.run_once().await.unwrap();
+    assert_eq!((again.done, again.dead, again.outbox), (0, 0, 0));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
+    finished_job(&pool, "report", "done", 10).await;
+    finished_job(&pool, "report", "done", 1).await;
+    let mut cmd = almanac();
+    cmd.args(["janitor", "--once", "--done-retention", "2d"])
+        .env("DATABASE_URL", common::database_url(&pool));
+    let out = output(cmd);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "deleted 1 done job, 0 dead jobs and 0 published outbox rows (3 batches)"
+    );
+}
+
+/// Bad operations settings: a clear error naming the setting, a non-zero
+/// exit, and nothing started (no migration applied, no port bound).
+#[sqlx::test(migrations = false)]
+async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let dir = tempdir();
+    let run = |args: &[&str], config: Option<&str>| {
+        let mut cmd = almanac();
+        cmd.current_dir(&dir)
+            .arg("run")
+            .args(args)
+            .env("DATABASE_URL", &url);
+        let path = dir.join("almanac.toml");
+        match config {
+            Some(text) => std::fs::write(&path, text).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        cmd.arg("--schedules").arg(dir.join("none"));
+        output(cmd)
+    };
+    let cases: [(&[&str], Option<&str>, &str); 6] = [
+        (
+            &["--http-addr", "nowhere"],
+            None,
+            "`nowhere` is not an address to listen on",
+        ),
+        (
+            &["--http-addr", "127.0.0.1:0", "--done-retention", "0s"],
+            None,
+            "--done-retention ([janitor] done_retention) must be longer than 0s",
+        ),
+        (
+            &["--http-addr", "127.0.0.1:0"],
+            Some("[reaper]\nbatch_size = 0\n"),
+            "--reaper-batch-size ([reaper] batch_size) must be at least 1, got 0",
+        ),
+        (
+            &["--http-addr", "127.0.0.1:0"],
+            Some("[reaper]\ninterval = \"0s\"\n"),
+            "--reaper-interval ([reaper] interval) must be longer than 0s",
+        ),
+        (
+            &["--http-addr", "127.0.0.1:0", "--janitor-batch=-5"],
+            None,
+            "--janitor-batch ([janitor] batch_size) must be at least 1, got -5",
+        ),
+        (
+            &["--http-addr", "0.0.0.0:0"],
+            None,
+            "--http-addr 0.0.0.0:0 is reachable beyond this machine; set --http-basic-auth",
+        ),
+    ];
+    for (args, config, expected) in cases {
+        let out = run(args, config);
+        assert!(!out.status.success(), "{args:?} must fail");
+        let err = text(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+    // A port already in use.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = run(&["--http-addr", &addr], None);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot listen on --http-addr {addr}")),
+        "{err}"
+    );
+    // Nothing ran: the database never got the schema.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'almanac'"
+        )
+        .await,
+        0
+    );
+}
+
+/// The `almanac.toml` sample in the README loads verbatim and validates.
+#[test]
+fn the_readme_config_sample_loads_verbatim() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## Configuration")
+        .nth(1)
+        .expect("the README has a Configuration section");
+    let sample = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .expect("the Configuration section has a toml sample");
+    let config = almanac::config::Config::parse(std::path::Path::new("README.md"), sample)
+        .unwrap_or_else(|e| panic!("the README's sample is rejected: {e}"));
+    assert!(config.http_addr.is_some() && config.janitor.done_retention.is_some());
+    assert!(config.reaper.batch_size.is_some() && config.relay.amqp_url.is_some());
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("almanac-ops-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
