@@ -123,8 +123,19 @@ async fn stats_and_list_show_the_queue(pool: PgPool) {
     let stats = almanac(&url, &["stats", "--json"]);
     let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
     assert_eq!(
-        stats["by_kind_status"][0],
+        stats["jobs"]["by_kind_status"][0],
         serde_json::json!({"kind": "mail", "status": "ready", "count": 2})
+    );
+    assert!(stats["leader"].is_null());
+    let human = text(&almanac(&url, &["stats"]).stdout);
+    assert!(
+        human.contains("mail                     ready             2"),
+        "{human}"
+    );
+    assert!(human.contains("outbox:                 empty"), "{human}");
+    assert!(
+        human.contains("scheduler leader:       none (no `almanac run` holds the lock)"),
+        "{human}"
     );
     let list = almanac(&url, &["jobs", "list", "--kind", "sms", "--json"]);
     let lines: Vec<serde_json::Value> = text(&list.stdout)
@@ -196,7 +207,12 @@ fn migrate_creates_a_missing_database() {
     let said = text(&out.stdout);
     assert!(
         said.starts_with(&format!(
-            "schema almanac is at migration 3 on database \"{name}\" on "
+            "schema almanac is at migration {} on database \"{name}\" on ",
+            almanac::db::MIGRATOR
+                .iter()
+                .map(|m| m.version)
+                .max()
+                .unwrap()
         )),
         "{said}"
     );
