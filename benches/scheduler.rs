@@ -39,11 +39,17 @@ async fn main() -> anyhow::Result<()> {
     )])?
     .remove(0);
     let (from, to) = (at("2015-12-31T15:00:00Z"), at("2025-12-31T15:00:00Z"));
+    let range = backfill::Range {
+        from,
+        to,
+        dry_run: false,
+        allow_future: false,
+    };
     let t = Instant::now();
-    let cold = backfill::backfill(&mut conn, &daily, from, to, false, |_, _| {}).await?;
+    let cold = backfill::backfill(&mut conn, &daily, range, |_, _| {}).await?;
     let cold_time = t.elapsed();
     let t = Instant::now();
-    let warm = backfill::backfill(&mut conn, &daily, from, to, false, |_, _| {}).await?;
+    let warm = backfill::backfill(&mut conn, &daily, range, |_, _| {}).await?;
     let warm_time = t.elapsed();
     println!("backfill, 10 years daily: {} runs emitted in {} (goal < 1 s); repeated: {} already there, {}", cold.emitted, ms(cold_time), warm.already_emitted, ms(warm_time));
 

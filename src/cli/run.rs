@@ -23,6 +23,17 @@ pub struct Args {
     /// How often a standby scheduler tries to become leader [default: 2s].
     #[arg(long, env = "ALMANAC_STANDBY_RETRY")]
     standby_retry: Option<HumanDuration>,
+    /// PostgreSQL ends a silent scheduler leader's session after this; a standby takes over within about this plus --standby-retry [default: 10s].
+    #[arg(long, env = "ALMANAC_LEADER_TIMEOUT")]
+    leader_timeout: Option<HumanDuration>,
+    /// Tests only: skew this process's host clock, e.g. `5m` or `-5m`.
+    #[arg(
+        long,
+        env = "ALMANAC_CLOCK_OFFSET",
+        hide = true,
+        allow_hyphen_values = true
+    )]
+    clock_offset: Option<String>,
     /// How often the reaper sweeps expired leases [default: 5s].
     #[arg(long, env = "ALMANAC_REAPER_INTERVAL")]
     reaper_interval: Option<HumanDuration>,
@@ -54,6 +65,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         let config = SchedulerConfig {
             schedules_dir: args.schedules.resolve(ctx),
             standby_retry: args.standby_retry.map_or(defaults.standby_retry, |d| d.0),
+            leader_timeout: args.leader_timeout.map_or(defaults.leader_timeout, |d| d.0),
+            clock_offset: match args.clock_offset.as_deref() {
+                Some(text) => crate::scheduler::parse_offset(text)
+                    .map_err(|e| anyhow::anyhow!("--clock-offset: {e}"))?,
+                None => defaults.clock_offset,
+            },
             ..defaults
         };
         Some(Scheduler::new(ctx.connect_options()?, config)?)

@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use chrono::{DateTime, Utc};
 use sqlx::{Connection, PgConnection};
 
-use super::plan::{Decision, Planned};
+use super::plan::{Cursor, Decision, Planned};
 use super::spec::{Overlap, Schedule};
 use crate::queue::{self, NewJob, QueueError};
 
@@ -76,13 +76,9 @@ pub async fn sync(
     Ok(())
 }
 
-/// Where a schedule stands: its last recorded run and its first sync.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cursor {
-    pub last_fire: Option<DateTime<Utc>>,
-    pub first_seen: DateTime<Utc>,
-}
-
+/// The planning cursor of each named, synced schedule: the latest run a
+/// `tick` or `catchup` recorded (backfilled rows are not the scheduler's
+/// plan and never move it), and the schedule's first sync.
 pub async fn cursors(
     conn: &mut PgConnection,
     names: &[String],
@@ -90,7 +86,8 @@ pub async fn cursors(
     let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
         r#"
         SELECT s.name, s.created_at,
-               (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
+               (SELECT r.fire_at FROM almanac.schedule_runs r
+                WHERE r.schedule = s.name AND r.source <> 'backfill'
                 ORDER BY r.fire_at DESC LIMIT 1)
         FROM almanac.schedules s WHERE s.name = ANY($1)
         "#,
@@ -100,11 +97,11 @@ pub async fn cursors(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(name, first_seen, last_fire)| {
+        .map(|(name, first_seen, last_planned)| {
             (
                 name,
                 Cursor {
-                    last_fire,
+                    last_planned,
                     first_seen,
                 },
             )
@@ -143,7 +140,7 @@ impl Recorded {
 /// earlier as skipped get their job now.
 pub async fn record(
     conn: &mut PgConnection,
-    batch: &[(&Schedule, Planned)],
+    batch: &[(&Schedule, &Planned)],
     overlap: bool,
     emit_skipped: bool,
 ) -> Result<Recorded, LedgerError> {
@@ -217,7 +214,7 @@ pub async fn record(
     .await?;
     report.existed = (batch.len() - written.len()) as u64;
 
-    let by_key: HashMap<(&str, &str), &(&Schedule, Planned)> = batch
+    let by_key: HashMap<(&str, &str), &(&Schedule, &Planned)> = batch
         .iter()
         .map(|entry| {
             (

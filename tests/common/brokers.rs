@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tokio::net::TcpStream;
+
 use almanac::relay::{SinkConfig, SinkKind};
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
