@@ -550,3 +550,46 @@ async fn a_backfill_into_the_future_is_refused_unless_allowed_and_hides_nothing(
     assert!(rows.iter().all(|r| r.2 == "emitted"), "{rows:?}");
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 5);
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_backfill_command_refuses_a_future_range_with_the_flag_to_use(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let dir = std::env::temp_dir().join(format!("almanac-backfill-future-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("d.toml"), "[daily]\ncron = \"0 3 * * *\"\n").unwrap();
+    let today = db_now(&pool).await.date_naive();
+    let backfill = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+            .args(["backfill", "daily", "--from"])
+            .arg((today - chrono::Days::new(3)).to_string())
+            .arg("--to")
+            .arg((today + chrono::Days::new(2)).to_string())
+            .arg("--schedules")
+            .arg(&dir)
+            .args(extra)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap()
+    };
+    let out = backfill(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("runs of `daily` that are not due yet") && err.contains("pass --allow-future"),
+        "{err}"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        0
+    );
+    let out = backfill(&["--allow-future"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        6
+    );
+}
