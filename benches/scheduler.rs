@@ -144,10 +144,10 @@ async fn main() -> anyhow::Result<()> {
         "all-due tick / raw insert: {:.2} (goal <= 1.5)",
         tick.as_secs_f64() / raw.as_secs_f64()
     );
-    drop(raw_conn);
+    raw_conn.close().await?;
     raw_db.drop().await?;
 
-    drop(conn);
+    conn.close().await?;
     scratch.drop().await?;
     Ok(())
 }
