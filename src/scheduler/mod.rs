@@ -88,7 +88,7 @@ impl Default for SchedulerConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("leader timeout {0:?} is too short; use at least 1s (the default is 10s)")]
+    #[error("leader timeout {0:?} (--leader-timeout, ALMANAC_LEADER_TIMEOUT) is too short; use at least 1s (the default is 10s)")]
     LeaderTimeout(Duration),
     #[error("{0} must be more than zero")]
     Zero(&'static str),

@@ -286,4 +286,41 @@ mod tests {
             vec!["2026-03-05", "2026-03-06"]
         );
     }
+
+    #[test]
+    fn due_from_carries_the_next_run_forward_without_rescanning_and_agrees_with_due_runs() {
+        let s = schedule("");
+        let cursor = Cursor {
+            last_planned: Some(at(AFTER)),
+            first_seen: at("2026-01-01T00:00:00Z"),
+        };
+        let next = next_run(&s, &cursor).unwrap();
+        assert_eq!(next.logical_run, "2026-03-02");
+        // One due: the following run is the next one, in the future.
+        let (runs, following) = due_from(&s, next.clone(), at("2026-03-01T17:00:01Z"), 100);
+        assert_eq!(runs, vec![next.clone()]);
+        assert_eq!(following.unwrap().logical_run, "2026-03-03");
+        // A backlog: the same runs as planning from the cursor, then the next.
+        let (runs, following) = due_from(&s, next.clone(), at(NOW), 100);
+        assert_eq!(runs, due_runs(&s, &cursor, at(NOW), 100));
+        assert_eq!(following.unwrap().logical_run, "2026-03-07");
+        // Cut by the limit: the following run is still due.
+        let (runs, following) = due_from(&s, next, at(NOW), 2);
+        assert_eq!(runs.len(), 2);
+        assert_eq!(following.unwrap().logical_run, "2026-03-04");
+    }
+
+    #[test]
+    fn start_is_one_rule_for_windows_and_next_runs() {
+        let s = schedule("start = \"2026-03-04\"");
+        let from = at("2026-03-01T00:00:00Z");
+        assert_eq!(s.next_after(from).unwrap().logical_run, "2026-03-04");
+        let names: Vec<String> = s
+            .runs_between(from, at("2026-03-06T00:00:00Z"))
+            .into_iter()
+            .map(|r| r.logical_run)
+            .collect();
+        // 02:00 in Seoul is 17:00Z the day before.
+        assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
+    }
 }
