@@ -74,6 +74,7 @@ async fn a_frozen_leader_connection_loses_the_lock_to_a_standby_within_the_bound
     let frozen_at = db_now(&pool).await;
     leads(&standby, "the standby to lead").await;
     let took = frozen.elapsed();
+    eprintln!("takeover after the freeze: {took:?}");
     assert!(
         took <= takeover_bound(),
         "takeover took {took:?}; documented bound {:?}",
@@ -177,6 +178,7 @@ async fn a_leader_stopped_past_the_takeover_time_emits_nothing_twice_when_contin
     let stopped_at = db_now(&pool).await;
     leads(&standby, "the standby to lead").await;
     let took = stopped.elapsed();
+    eprintln!("takeover after SIGSTOP: {took:?}");
     assert!(took <= takeover_bound(), "takeover took {took:?}");
     runs_continue(&pool, stopped_at + chrono::Duration::seconds(4), 2).await;
 
