@@ -71,6 +71,7 @@ pub struct WorkerSection {
 #[serde(deny_unknown_fields)]
 pub struct SchedulerSection {
     pub standby_retry: Option<HumanDuration>,
+    pub leader_timeout: Option<HumanDuration>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

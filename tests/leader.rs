@@ -1,78 +1,19 @@
 //! `almanac run` processes: leader failover after SIGKILL with no logical run
-//! missing or doubled, SIGHUP reloads, and bad schedule files at start.
+//! missing or doubled, SIGHUP reloads, bad schedule files at start, and a
+//! leader with nothing enabled that does not spin. (Frozen, terminated,
+//! stopped and clock-skewed leaders: tests/leader_faults.rs.)
 
 mod common;
+#[path = "common/scheduler_proc.rs"]
+mod scheduler_proc;
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::{count, eventually};
+use scheduler_proc::{dir_with, Proc};
 use sqlx::PgPool;
-
-struct Proc {
-    child: Child,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Proc {
-    fn start(url: &str, dir: &PathBuf) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_almanac"))
-            .args([
-                "run",
-                "--roles",
-                "scheduler",
-                "--standby-retry",
-                "300ms",
-                "--schedules",
-            ])
-            .arg(dir)
-            .env("DATABASE_URL", url)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let lines = log.clone();
-        let stderr = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                lines.lock().unwrap().push(line);
-            }
-        });
-        Proc { child, log }
-    }
-
-    fn said(&self, text: &str) -> bool {
-        self.log.lock().unwrap().iter().any(|l| l.contains(text))
-    }
-
-    fn signal(&self, signal: i32) {
-        // SAFETY: signals a child process this test spawned.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-
-    async fn exit_code(mut self) -> Option<i32> {
-        tokio::task::spawn_blocking(move || self.child.wait().unwrap().code())
-            .await
-            .unwrap()
-    }
-}
-
-fn dir_with(test: &str, files: &[(&str, &str)]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("almanac-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (name, text) in files {
-        std::fs::write(dir.join(name), text).unwrap();
-    }
-    dir
-}
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doubled(pool: PgPool) {
@@ -276,4 +217,75 @@ async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_noth
         count(&pool, "SELECT count(*) FROM almanac.schedules").await,
         0
     );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_leader_with_nothing_enabled_sleeps_instead_of_spinning(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let dir = dir_with(
+        "idle",
+        &[(
+            "off.toml",
+            "[off]\ncron = \"* * * * * *\"\nenabled = false\n",
+        )],
+    );
+    let proc = Proc::start(&url, &dir);
+    eventually("a leader", Duration::from_secs(30), || async {
+        proc.said("became scheduler leader")
+    })
+    .await;
+    eventually("the idle notice", Duration::from_secs(15), || async {
+        proc.said("no enabled schedule will fire")
+    })
+    .await;
+    // Transactions committed in this database over a few seconds: a busy
+    // loop makes thousands; a sleeping leader a heartbeat every few seconds.
+    let commits = || async {
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let n: i64 = sqlx::query_scalar(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        n
+    };
+    let before = commits().await;
+    let started = std::time::Instant::now();
+    // Wait for a few heartbeats' worth of time by watching the database's
+    // clock move (not a sleep that synchronises anything).
+    let t0 = scheduler_proc::db_now(&pool).await;
+    eventually(
+        "five seconds of database time",
+        Duration::from_secs(30),
+        || async { scheduler_proc::db_now(&pool).await - t0 >= chrono::Duration::seconds(5) },
+    )
+    .await;
+    // Statistics reach pg_stat_database within a second or so of a backend's
+    // activity (PostgreSQL 15 flushes them at most every second).
+    let t1 = scheduler_proc::db_now(&pool).await;
+    eventually(
+        "statistics to be flushed",
+        Duration::from_secs(30),
+        || async { scheduler_proc::db_now(&pool).await - t1 >= chrono::Duration::seconds(2) },
+    )
+    .await;
+    let after = commits().await;
+    let per_second = (after - before) as f64 / started.elapsed().as_secs_f64();
+    assert!(
+        per_second < 20.0,
+        "{} commits in {:?}: the idle leader is spinning",
+        after - before,
+        started.elapsed()
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        0
+    );
+    proc.signal(libc::SIGTERM);
+    assert_eq!(proc.exit_code().await, Some(0));
 }

@@ -116,6 +116,24 @@ async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
         since.elapsed() > Duration::from_secs(3)
     })
     .await;
+    // The collector reports the example schedules once they are synced.
+    eventually(
+        "schedule gauges for the example schedules",
+        Duration::from_secs(30),
+        || async {
+            let body = get(addr, "/metrics")
+                .await
+                .map(|r| r.body)
+                .unwrap_or_default();
+            sample(
+                &body,
+                "almanac_schedule_lag_seconds",
+                &[("schedule", "nightly-report")],
+            )
+            .is_some_and(|lag| lag < 120.0)
+        },
+    )
+    .await;
     let metrics = get(addr, "/metrics").await.unwrap();
     assert_eq!(metrics.status, 200);
     assert_eq!(

@@ -223,6 +223,16 @@ fn daily() -> Schedule {
     .remove(0)
 }
 
+/// A backfill range in the past.
+fn past(from: DateTime<Utc>, to: DateTime<Utc>, dry_run: bool) -> backfill::Range {
+    backfill::Range {
+        from,
+        to,
+        dry_run,
+        allow_future: false,
+    }
+}
+
 fn at(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
 }
@@ -232,7 +242,7 @@ async fn backfill_twice_gives_the_same_ledger_and_no_duplicate_job(pool: PgPool)
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-03-01T05:00:00Z"), at("2026-04-01T04:00:00Z"));
-    let dry = backfill::backfill(&mut conn, &s, from, to, true, |_, _| {})
+    let dry = backfill::backfill(&mut conn, &s, past(from, to, true), |_, _| {})
         .await
         .unwrap();
     assert_eq!((dry.in_range, dry.emitted), (31, 31));
@@ -242,12 +252,12 @@ async fn backfill_twice_gives_the_same_ledger_and_no_duplicate_job(pool: PgPool)
         "a dry run writes nothing"
     );
 
-    let first = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    let first = backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     assert_eq!((first.emitted, first.already_emitted), (31, 0));
     let before = ledger(&pool).await;
-    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    let again = backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     assert_eq!(
@@ -274,7 +284,7 @@ async fn a_backfill_after_retention_deleted_the_jobs_emits_nothing_new(pool: PgP
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-01-01T05:00:00Z"), at("2026-01-11T05:00:00Z"));
-    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     // Retention: the finished jobs are deleted; the ledger keeps the runs.
@@ -286,7 +296,7 @@ async fn a_backfill_after_retention_deleted_the_jobs_emits_nothing_new(pool: PgP
         .execute(&pool)
         .await
         .unwrap();
-    let again = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    let again = backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     assert_eq!((again.emitted, again.already_emitted), (0, 10));
@@ -306,7 +316,7 @@ async fn gaps_finds_holes_and_backfill_fills_them_including_skipped_runs(pool: P
     let mut conn = pool.acquire().await.unwrap();
     let s = daily();
     let (from, to) = (at("2026-02-01T05:00:00Z"), at("2026-02-11T05:00:00Z"));
-    backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     sqlx::query(
@@ -337,7 +347,7 @@ async fn gaps_finds_holes_and_backfill_fills_them_including_skipped_runs(pool: P
         "a skipped run is accounted for, not a gap"
     );
 
-    let filled = backfill::backfill(&mut conn, &s, from, to, false, |_, _| {})
+    let filled = backfill::backfill(&mut conn, &s, past(from, to, false), |_, _| {})
         .await
         .unwrap();
     assert_eq!(
@@ -354,4 +364,232 @@ async fn gaps_finds_holes_and_backfill_fills_them_including_skipped_runs(pool: P
         .is_empty());
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.schedule_runs WHERE outcome = 'emitted' AND job_id IS NOT NULL").await, 10);
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 10);
+}
+
+/// Down Monday to Friday, Wednesday backfilled, back on Friday: the
+/// scheduler's cursor is its own last planned run (Sunday), so Monday,
+/// Tuesday and Thursday go through the catch-up policy; none is left a gap.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_partial_backfill_does_not_hide_the_runs_missed_around_it(pool: PgPool) {
+    let text = "[all]\ncron = \"0 3 * * *\"\ncatchup = \"all\"\n[none]\ncron = \"0 3 * * *\"\ncatchup = \"none\"\n";
+    let mut conn = pool.acquire().await.unwrap();
+    Ticker::load(&mut conn, schedules(text), GRACE)
+        .await
+        .unwrap();
+    // The schedules have existed since Saturday night (all in the past, by
+    // the database's clock, so backfill accepts them).
+    sqlx::query("UPDATE almanac.schedules SET created_at = '2026-10-31T23:00:00Z'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut leader = Ticker::load(&mut conn, schedules(text), GRACE)
+        .await
+        .unwrap();
+    // Sunday 2026-11-01, on time. Then the scheduler is down.
+    let sunday = leader
+        .tick(&mut conn, at("2026-11-01T03:00:05Z"))
+        .await
+        .unwrap();
+    assert_eq!(sunday.emitted, 2);
+    drop(leader);
+
+    // The operator backfills Wednesday only.
+    for s in schedules(text) {
+        let wednesday = backfill::backfill(
+            &mut conn,
+            &s,
+            past(
+                at("2026-11-04T00:00:00Z"),
+                at("2026-11-05T00:00:00Z"),
+                false,
+            ),
+            |_, _| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(wednesday.emitted, 1);
+    }
+
+    // Back on Friday, a new leader.
+    let mut leader = Ticker::load(&mut conn, schedules(text), GRACE)
+        .await
+        .unwrap();
+    leader
+        .tick(&mut conn, at("2026-11-06T03:00:05Z"))
+        .await
+        .unwrap();
+    let ledger = ledger(&pool).await;
+    let row = |d: &str, source: &str, outcome: &str| {
+        (
+            format!("2026-11-{d}"),
+            source.to_string(),
+            outcome.to_string(),
+            outcome == "emitted",
+        )
+    };
+    assert_eq!(
+        ledger["all"],
+        vec![
+            row("01", "tick", "emitted"),
+            row("02", "catchup", "emitted"),
+            row("03", "catchup", "emitted"),
+            row("04", "backfill", "emitted"),
+            row("05", "catchup", "emitted"),
+            row("06", "tick", "emitted"),
+        ]
+    );
+    assert_eq!(
+        ledger["none"],
+        vec![
+            row("01", "tick", "emitted"),
+            row("02", "catchup", "skipped_catchup"),
+            row("03", "catchup", "skipped_catchup"),
+            row("04", "backfill", "emitted"),
+            row("05", "catchup", "skipped_catchup"),
+            row("06", "tick", "emitted"),
+        ]
+    );
+    for s in schedules(text) {
+        let holes = backfill::gaps(
+            &mut conn,
+            &s,
+            at("2026-11-01T00:00:00Z"),
+            at("2026-11-07T00:00:00Z"),
+        )
+        .await
+        .unwrap();
+        assert!(holes.is_empty(), "{}: gaps {holes:?}", s.name);
+    }
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_runs WHERE outcome = 'emitted'"
+        )
+        .await
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(DISTINCT idempotency_key) FROM almanac.jobs"
+        )
+        .await,
+        6 + 3
+    );
+}
+
+/// Backfill is for the past: a range reaching runs not due yet (by the
+/// database's clock) is refused and writes nothing, unless the future is
+/// allowed; a run backfilled early is found already there when it comes due,
+/// and it does not move the scheduler's cursor past the runs before it.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_backfill_into_the_future_is_refused_unless_allowed_and_hides_nothing(pool: PgPool) {
+    let text = "[hourly]\ncron = \"0 * * * *\"\n";
+    let mut conn = pool.acquire().await.unwrap();
+    let mut leader = Ticker::load(&mut conn, schedules(text), GRACE)
+        .await
+        .unwrap();
+    let s = schedules(text).remove(0);
+    let now = db_now(&pool).await;
+    let ahead = now + chrono::Duration::hours(5);
+    let refused = backfill::backfill(
+        &mut conn,
+        &s,
+        past(now - chrono::Duration::hours(1), ahead, false),
+        |_, _| {},
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("that are not due yet") && refused.contains("--allow-future"),
+        "{refused}"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        0
+    );
+
+    // Allowed: runs 3 and 4 hours ahead are emitted now.
+    let (from, to) = (
+        now + chrono::Duration::hours(3) - chrono::Duration::minutes(59),
+        ahead - chrono::Duration::minutes(59),
+    );
+    let early = backfill::backfill(
+        &mut conn,
+        &s,
+        backfill::Range {
+            from,
+            to,
+            dry_run: false,
+            allow_future: true,
+        },
+        |_, _| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(early.emitted, 2);
+    // The leader, ticking through the next five hours, plans every run once.
+    let first = leader.next_wake().unwrap();
+    for hour in 0..5 {
+        leader
+            .tick(
+                &mut conn,
+                first + chrono::Duration::hours(hour) + chrono::Duration::seconds(1),
+            )
+            .await
+            .unwrap();
+    }
+    let rows = &ledger(&pool).await["hourly"];
+    assert_eq!(rows.len(), 5, "{rows:?}");
+    assert_eq!(
+        rows.iter().filter(|r| r.1 == "backfill").count(),
+        2,
+        "{rows:?}"
+    );
+    assert!(rows.iter().all(|r| r.2 == "emitted"), "{rows:?}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 5);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_backfill_command_refuses_a_future_range_with_the_flag_to_use(pool: PgPool) {
+    let url = common::database_url(&pool);
+    let dir = std::env::temp_dir().join(format!("almanac-backfill-future-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("d.toml"), "[daily]\ncron = \"0 3 * * *\"\n").unwrap();
+    let today = db_now(&pool).await.date_naive();
+    let backfill = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+            .args(["backfill", "daily", "--from"])
+            .arg((today - chrono::Days::new(3)).to_string())
+            .arg("--to")
+            .arg((today + chrono::Days::new(2)).to_string())
+            .arg("--schedules")
+            .arg(&dir)
+            .args(extra)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap()
+    };
+    let out = backfill(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("runs of `daily` that are not due yet") && err.contains("pass --allow-future"),
+        "{err}"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        0
+    );
+    let out = backfill(&["--allow-future"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await,
+        6
+    );
 }

@@ -1,4 +1,5 @@
-//! `almanac backfill NAME --from --to [--dry-run]` and `almanac gaps NAME --from --to`
+//! `almanac backfill NAME --from --to [--dry-run] [--allow-future]` and
+//! `almanac gaps NAME --from --to`
 
 use std::io::Write as _;
 
@@ -46,6 +47,9 @@ pub struct BackfillArgs {
     /// Report what would be emitted; write nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Also emit runs that are not due yet (refused by default).
+    #[arg(long)]
+    allow_future: bool,
     #[arg(long)]
     json: bool,
 }
@@ -67,22 +71,21 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
         ctx.migrated_pool(2).await?
     };
     let mut conn = pool.acquire().await?;
-    let report = backfill::backfill(
-        &mut conn,
-        &schedule,
+    let range = backfill::Range {
         from,
         to,
-        args.dry_run,
-        |done, total| {
-            if total >= 5_000 {
-                eprint!("\rbackfill {}: {done}/{total} runs", schedule.name);
-                let _ = std::io::stderr().flush();
-                if done == total {
-                    eprintln!();
-                }
+        dry_run: args.dry_run,
+        allow_future: args.allow_future,
+    };
+    let report = backfill::backfill(&mut conn, &schedule, range, |done, total| {
+        if total >= 5_000 {
+            eprint!("\rbackfill {}: {done}/{total} runs", schedule.name);
+            let _ = std::io::stderr().flush();
+            if done == total {
+                eprintln!();
             }
-        },
-    )
+        }
+    })
     .await?;
     if args.json {
         println!(

@@ -34,6 +34,17 @@ pub struct Args {
     /// How often a standby scheduler tries to become leader [default: 2s].
     #[arg(long, env = "ALMANAC_STANDBY_RETRY")]
     standby_retry: Option<HumanDuration>,
+    /// PostgreSQL ends a silent scheduler leader's session after this; a standby takes over within about this plus --standby-retry [default: 10s].
+    #[arg(long, env = "ALMANAC_LEADER_TIMEOUT")]
+    leader_timeout: Option<HumanDuration>,
+    /// Tests only: skew this process's host clock, e.g. `5m` or `-5m`.
+    #[arg(
+        long,
+        env = "ALMANAC_CLOCK_OFFSET",
+        hide = true,
+        allow_hyphen_values = true
+    )]
+    clock_offset: Option<String>,
     /// How often the reaper sweeps expired leases [default: 5s].
     #[arg(long, env = "ALMANAC_REAPER_INTERVAL")]
     reaper_interval: Option<HumanDuration>,
@@ -138,6 +149,15 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 .standby_retry
                 .or(ctx.config.scheduler.standby_retry)
                 .map_or(d.standby_retry, |h| h.0),
+            leader_timeout: args
+                .leader_timeout
+                .or(ctx.config.scheduler.leader_timeout)
+                .map_or(d.leader_timeout, |h| h.0),
+            clock_offset: match args.clock_offset.as_deref() {
+                Some(text) => crate::scheduler::parse_offset(text)
+                    .map_err(|e| anyhow::anyhow!("--clock-offset: {e}"))?,
+                None => d.clock_offset,
+            },
             ..d
         };
         crate::config::positive(

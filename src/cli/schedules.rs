@@ -160,7 +160,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             let emitted = ledger::last_emitted(&mut conn)
                 .await
                 .context("reading the ledger")?;
-            let now = Utc::now();
+            // The database's clock, as the scheduler uses.
+            let now = crate::scheduler::backfill::db_now(&mut conn)
+                .await
+                .context("reading the database's time")?;
             if !json {
                 println!(
                     "{:<24} {:<16} {:<20} {:<22} {:<22} LAG",
@@ -169,12 +172,11 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             }
             for s in &all {
                 let cursor = cursors.get(&s.name);
-                let pending = cursor.and_then(|c| crate::scheduler::ticker::next_of(s, c));
+                let pending = cursor.and_then(|c| crate::scheduler::plan::next_run(s, c));
                 let lag = pending
-                    .filter(|fire| *fire <= now)
-                    .map(|fire| (now - fire).num_seconds());
+                    .filter(|run| run.fire_at <= now)
+                    .map(|run| (now - run.fire_at).num_seconds());
                 let next = s
-                    .timeline
                     .next_after(now)
                     .map(|r| r.fire_at.format("%Y-%m-%dT%H:%M:%SZ").to_string());
                 let last = emitted.get(&s.name).map(|(run, _)| run.clone());

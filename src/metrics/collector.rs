@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::snapshot::Snapshot;
-use super::{global, KindLabel, KindStatusLabel, SinkLabel};
+use super::{global, KindLabel, KindStatusLabel, ScheduleLabel, SinkLabel};
 use crate::queue::QueueError;
 
 const STATUSES: [&str; 3] = ["ready", "running", "dead"];
@@ -65,6 +65,19 @@ impl Collector {
 
     fn publish(&mut self, s: &Snapshot) {
         let m = global();
+        for schedule in &s.schedules {
+            let label = ScheduleLabel {
+                schedule: schedule.name.clone(),
+            };
+            m.schedule_lag
+                .get_or_create(&label)
+                .set(schedule.lag_seconds);
+            if let Some(last) = schedule.last_run {
+                m.schedule_last_run
+                    .get_or_create(&label)
+                    .set(last.timestamp_millis() as f64 / 1000.0);
+            }
+        }
         self.kinds
             .extend(s.jobs.by_kind_status.iter().map(|c| c.kind.clone()));
         for kind in &self.kinds {

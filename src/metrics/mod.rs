@@ -329,12 +329,14 @@ pub fn record_leadership(leading: bool) {
     global().scheduler_leader.set(i64::from(leading));
 }
 
-pub fn record_schedule_run(schedule: &str, outcome: &str) {
+/// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,
+/// skipped_overlap).
+pub fn record_schedule_runs(schedule: &str, outcome: &str, rows: u64) {
     global()
         .schedule_runs
         .get_or_create(&ScheduleOutcomeLabel {
             schedule: schedule.to_string(),
             outcome: outcome.to_string(),
         })
-        .inc();
+        .inc_by(rows);
 }

@@ -3,12 +3,15 @@
 //! `almanac stats` prints it for a person. Every query is bounded by what is
 //! unfinished (partial indexes), never by the history of done jobs.
 
+use chrono::{DateTime, NaiveDate, Utc};
 use serde::Serialize;
 use sqlx::PgConnection;
 
 use crate::queue::{self, QueueError, Stats};
 use crate::relay::backlog::{self, SinkBacklog};
+use crate::scheduler::cron::CronExpr;
 use crate::scheduler::leader::LEADER_LOCK_KEY;
+use crate::scheduler::timeline::Timeline;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
@@ -16,6 +19,18 @@ pub struct Snapshot {
     pub outbox: Vec<SinkBacklog>,
     /// The session holding the scheduler's leader lock, if any.
     pub leader: Option<Leader>,
+    /// Each enabled schedule's latest ledger row and how far planning lags.
+    pub schedules: Vec<ScheduleState>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScheduleState {
+    pub name: String,
+    /// Fire time of the latest run in the ledger (any source).
+    pub last_run: Option<DateTime<Utc>>,
+    /// Now minus the fire time of the oldest due run the scheduler has not
+    /// planned yet (the first run after its cursor); 0 when none is due.
+    pub lag_seconds: f64,
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -33,10 +48,12 @@ impl Snapshot {
         let jobs = queue::stats(&mut *conn).await?;
         let outbox = backlog::backlog(&mut *conn).await?;
         let leader = leader(&mut *conn).await?;
+        let schedules = schedules(&mut *conn).await?;
         Ok(Snapshot {
             jobs,
             outbox,
             leader,
+            schedules,
         })
     }
 }
@@ -60,4 +77,65 @@ pub async fn leader(conn: &mut PgConnection) -> Result<Option<Leader>, sqlx::Err
     .bind(LEADER_LOCK_KEY)
     .fetch_optional(conn)
     .await
+}
+
+type ScheduleRow = (
+    String,
+    String,
+    String,
+    Option<NaiveDate>,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+    DateTime<Utc>,
+);
+
+/// Enabled schedules as last synced, with their latest ledger row and their
+/// cursor (the latest run a tick or catch-up planned), each one index probe.
+pub async fn schedules(conn: &mut PgConnection) -> Result<Vec<ScheduleState>, sqlx::Error> {
+    let rows: Vec<ScheduleRow> = sqlx::query_as(
+        r#"
+        SELECT s.name, s.cron, s.timezone, s.start, s.created_at,
+               (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
+                 ORDER BY r.fire_at DESC LIMIT 1),
+               (SELECT r.fire_at FROM almanac.schedule_runs r
+                 WHERE r.schedule = s.name AND r.source <> 'backfill'
+                 ORDER BY r.fire_at DESC LIMIT 1),
+               now()
+          FROM almanac.schedules s WHERE s.enabled ORDER BY s.name
+        "#,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(name, cron, tz, start, first_seen, last_run, cursor, now)| {
+                let lag_seconds = lag(&cron, &tz, start, first_seen, cursor, now).unwrap_or(0.0);
+                ScheduleState {
+                    name,
+                    last_run,
+                    lag_seconds,
+                }
+            },
+        )
+        .collect())
+}
+
+fn lag(
+    cron: &str,
+    tz: &str,
+    start: Option<NaiveDate>,
+    first_seen: DateTime<Utc>,
+    cursor: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> Option<f64> {
+    let timeline = Timeline::new(CronExpr::parse(cron).ok()?, tz.parse().ok()?);
+    let tiny = chrono::Duration::microseconds(1);
+    let mut from = cursor.map_or(first_seen, |c| c + tiny);
+    if let Some(start) = start {
+        from = from.max(timeline.start_of(start));
+    }
+    let pending = timeline.next_after(from - tiny)?;
+    (pending.fire_at <= now).then(|| (now - pending.fire_at).num_milliseconds() as f64 / 1000.0)
 }

@@ -5,6 +5,13 @@
 //! runs recorded earlier as skipped. Runs already emitted are left alone, so a
 //! backfill repeated gives the same ledger, and a run whose job was deleted by
 //! retention is not emitted again. Nothing before the schedule's `start`.
+//!
+//! Backfill is for the past: a range reaching runs not yet due (by the
+//! database's clock) is refused unless the operator allows the future
+//! explicitly. Backfilled rows never move the scheduler's cursor (see
+//! [`super::plan::Cursor`]), so a partial backfill cannot hide the runs
+//! missed around it, and a future run backfilled early is simply found
+//! already emitted when it comes due. `gaps` lists only runs already due.
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
@@ -24,6 +31,12 @@ pub enum BackfillError {
     Ledger(#[from] LedgerError),
     #[error("the range holds more than {MAX_RUNS} runs of `{0}`; split it into smaller ranges")]
     TooLarge(String),
+    #[error("the range reaches runs of `{schedule}` that are not due yet (the first at {first}; the database's time is {now}); end the range earlier, or pass --allow-future to emit them ahead of time")]
+    Future {
+        schedule: String,
+        first: DateTime<Utc>,
+        now: DateTime<Utc>,
+    },
 }
 
 /// What a backfill did, or (dry run) would do.
@@ -51,17 +64,52 @@ fn runs(
     Ok(runs)
 }
 
+/// The database's current time: the one clock the scheduler trusts.
+pub async fn db_now(conn: &mut PgConnection) -> Result<DateTime<Utc>, BackfillError> {
+    Ok(sqlx::query_scalar("SELECT now()")
+        .fetch_one(conn)
+        .await
+        .map_err(LedgerError::from)?)
+}
+
+/// What a backfill covers and how.
+#[derive(Debug, Clone, Copy)]
+pub struct Range {
+    /// Inclusive.
+    pub from: DateTime<Utc>,
+    /// Exclusive.
+    pub to: DateTime<Utc>,
+    /// Report only; write nothing.
+    pub dry_run: bool,
+    /// Emit runs that are not due yet, too.
+    pub allow_future: bool,
+}
+
 /// Emits the runs with `from <= fire_at < to` that have no job yet.
 /// `progress(done, total)` is called after each chunk.
 pub async fn backfill(
     conn: &mut PgConnection,
     schedule: &Schedule,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-    dry_run: bool,
+    range: Range,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<BackfillReport, BackfillError> {
+    let Range {
+        from,
+        to,
+        dry_run,
+        allow_future,
+    } = range;
     let runs = runs(schedule, from, to)?;
+    if !allow_future {
+        let now = db_now(conn).await?;
+        if let Some(first) = runs.iter().find(|r| r.fire_at > now) {
+            return Err(BackfillError::Future {
+                schedule: schedule.name.clone(),
+                first: first.fire_at,
+                now,
+            });
+        }
+    }
     if !dry_run {
         ledger::sync(conn, std::slice::from_ref(schedule), false).await?;
     }
@@ -93,19 +141,15 @@ pub async fn backfill(
     let total = todo.len() as u64;
     let mut done = Recorded::default();
     for chunk in todo.chunks(CHUNK) {
-        let batch: Vec<(&Schedule, Planned)> = chunk
+        let planned: Vec<Planned> = chunk
             .iter()
-            .map(|run| {
-                (
-                    schedule,
-                    Planned {
-                        run: run.clone(),
-                        source: Source::Backfill,
-                        decision: Decision::Emit,
-                    },
-                )
+            .map(|run| Planned {
+                run: run.clone(),
+                source: Source::Backfill,
+                decision: Decision::Emit,
             })
             .collect();
+        let batch: Vec<(&Schedule, &Planned)> = planned.iter().map(|p| (schedule, p)).collect();
         done.add(ledger::record(conn, &batch, false, true).await?);
         progress(done.emitted + done.emitted_after_skip + done.existed, total);
     }
@@ -116,14 +160,16 @@ pub async fn backfill(
     Ok(report)
 }
 
-/// The runs with `from <= fire_at < to` that have no ledger row at all:
-/// holes anywhere in the range, not only after the last run.
+/// The runs with `from <= fire_at < to`, already due, that have no ledger
+/// row at all: holes anywhere in the range, not only after the last run.
 pub async fn gaps(
     conn: &mut PgConnection,
     schedule: &Schedule,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
 ) -> Result<Vec<Run>, BackfillError> {
+    let now = db_now(conn).await?;
+    let to = to.min(now + chrono::Duration::microseconds(1));
     let runs = runs(schedule, from, to)?;
     let recorded = ledger::recorded_between(conn, &schedule.name, from, to).await?;
     Ok(runs

@@ -12,9 +12,9 @@ use std::collections::{HashMap, HashSet};
 use chrono::{DateTime, Utc};
 use sqlx::{Connection, PgConnection};
 
-use super::plan::{Decision, Planned};
+use super::plan::{Cursor, Decision, Planned};
 use super::spec::{Overlap, Schedule};
-use crate::queue::{self, NewJob, QueueError};
+use crate::queue::{self, QueueError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -76,13 +76,9 @@ pub async fn sync(
     Ok(())
 }
 
-/// Where a schedule stands: its last recorded run and its first sync.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cursor {
-    pub last_fire: Option<DateTime<Utc>>,
-    pub first_seen: DateTime<Utc>,
-}
-
+/// The planning cursor of each named, synced schedule: the latest run a
+/// `tick` or `catchup` recorded (backfilled rows are not the scheduler's
+/// plan and never move it), and the schedule's first sync.
 pub async fn cursors(
     conn: &mut PgConnection,
     names: &[String],
@@ -90,7 +86,8 @@ pub async fn cursors(
     let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
         r#"
         SELECT s.name, s.created_at,
-               (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
+               (SELECT r.fire_at FROM almanac.schedule_runs r
+                WHERE r.schedule = s.name AND r.source <> 'backfill'
                 ORDER BY r.fire_at DESC LIMIT 1)
         FROM almanac.schedules s WHERE s.name = ANY($1)
         "#,
@@ -100,11 +97,11 @@ pub async fn cursors(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(name, first_seen, last_fire)| {
+        .map(|(name, first_seen, last_planned)| {
             (
                 name,
                 Cursor {
-                    last_fire,
+                    last_planned,
                     first_seen,
                 },
             )
@@ -141,9 +138,17 @@ impl Recorded {
 /// records its run as `skipped_overlap` (and so does every run after the first
 /// in the same batch). With `emit_skipped` true (backfill), runs recorded
 /// earlier as skipped get their job now.
+///
+/// The whole batch is one statement, set-based: the ledger rows are inserted
+/// from `unnest(...)` (a run already there is left alone), each new emitted
+/// row takes its job id up front from the jobs' identity sequence (or the id
+/// of a job already holding its key), and the jobs of exactly the rows
+/// inserted are inserted from the same arrays. Nothing is read back row by
+/// row and no row is updated afterwards. (The foreign key from the ledger to
+/// its job is checked at the end of the statement, when both rows exist.)
 pub async fn record(
     conn: &mut PgConnection,
-    batch: &[(&Schedule, Planned)],
+    batch: &[(&Schedule, &Planned)],
     overlap: bool,
     emit_skipped: bool,
 ) -> Result<Recorded, LedgerError> {
@@ -153,7 +158,8 @@ pub async fn record(
     }
     let mut tx = conn.begin().await?;
 
-    let mut busy: HashSet<String> = HashSet::new();
+    let mut busy: HashSet<&str> = HashSet::new();
+    let mut busy_rows: Vec<String> = Vec::new();
     if overlap {
         let skippers: Vec<&str> = batch
             .iter()
@@ -161,26 +167,30 @@ pub async fn record(
             .map(|(s, _)| s.name.as_str())
             .collect();
         if !skippers.is_empty() {
-            busy = sqlx::query_scalar(
+            busy_rows = sqlx::query_scalar(
                 "SELECT DISTINCT schedule FROM almanac.jobs WHERE schedule = ANY($1) AND status IN ('ready', 'running')",
             )
             .bind(&skippers)
             .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
+            .await?;
         }
     }
-    let mut names = Vec::with_capacity(batch.len());
-    let mut runs = Vec::with_capacity(batch.len());
-    let mut fires = Vec::with_capacity(batch.len());
-    let mut sources = Vec::with_capacity(batch.len());
-    let mut outcomes = Vec::with_capacity(batch.len());
+    busy.extend(busy_rows.iter().map(String::as_str));
+    let n = batch.len();
+    let mut names = Vec::with_capacity(n);
+    let mut runs = Vec::with_capacity(n);
+    let mut fires = Vec::with_capacity(n);
+    let mut sources = Vec::with_capacity(n);
+    let mut outcomes = Vec::with_capacity(n);
+    let mut kinds = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
     for (schedule, planned) in batch {
         let outcome = match planned.decision {
             Decision::SkipCatchup => "skipped_catchup",
             Decision::Emit if overlap && schedule.overlap == Overlap::Skip => {
-                if busy.insert(schedule.name.clone()) {
+                if busy.insert(schedule.name.as_str()) {
                     "emitted"
                 } else {
                     "skipped_overlap"
@@ -193,19 +203,49 @@ pub async fn record(
         fires.push(planned.run.fire_at);
         sources.push(planned.source.as_str());
         outcomes.push(outcome);
+        kinds.push(schedule.kind.as_str());
+        payloads.push(&schedule.payload);
+        attempts.push(schedule.max_attempts);
+        keys.push(schedule.job_key(&planned.run.logical_run));
     }
     let on_conflict = if emit_skipped {
-        "DO UPDATE SET outcome = 'emitted', source = excluded.source, recorded_at = now() \
+        "DO UPDATE SET outcome = 'emitted', source = excluded.source, recorded_at = now(), \
+         job_id = excluded.job_id \
          WHERE r.outcome <> 'emitted' AND excluded.outcome = 'emitted'"
     } else {
         "DO NOTHING"
     };
-    let written: Vec<(String, String, String, bool)> = sqlx::query_as(&format!(
+    let counts: Vec<(String, String, bool, i64)> = sqlx::query_as(&format!(
         r#"
-        INSERT INTO almanac.schedule_runs AS r (schedule, logical_run, fire_at, source, outcome)
-        SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[])
-        ON CONFLICT (schedule, logical_run) {on_conflict}
-        RETURNING r.schedule, r.logical_run, r.outcome, (r.xmax <> 0) AS was_there
+        WITH planned AS (
+            SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],
+                                 $6::text[], $7::jsonb[], $8::int[], $9::text[])
+                AS p(schedule, logical_run, fire_at, source, outcome, kind, payload, max_attempts, key)
+        ), recorded AS (
+            INSERT INTO almanac.schedule_runs AS r (schedule, logical_run, fire_at, source, outcome, job_id)
+            SELECT p.schedule, p.logical_run, p.fire_at, p.source, p.outcome,
+                   CASE WHEN p.outcome = 'emitted' THEN coalesce(
+                       (SELECT j.id FROM almanac.jobs j WHERE j.idempotency_key = p.key),
+                       nextval('almanac.jobs_id_seq'))
+                   END
+            FROM planned p
+            ON CONFLICT (schedule, logical_run) {on_conflict}
+            RETURNING r.schedule, r.logical_run, r.outcome, r.job_id, (r.xmax <> 0) AS was_there
+        ), emitted AS (
+            INSERT INTO almanac.jobs
+                (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
+            OVERRIDING SYSTEM VALUE
+            SELECT r.job_id, p.kind, p.payload, p.fire_at, p.max_attempts, p.key, r.schedule, r.logical_run
+            FROM recorded r JOIN planned p USING (schedule, logical_run)
+            WHERE r.job_id IS NOT NULL
+            ON CONFLICT (idempotency_key) DO NOTHING
+            RETURNING kind
+        ), notified AS (
+            SELECT pg_notify($10, k.kind) FROM (SELECT DISTINCT kind FROM emitted) k
+        )
+        SELECT schedule, outcome, was_there, count(*) FROM recorded
+        WHERE (SELECT count(*) FROM notified) >= 0
+        GROUP BY schedule, outcome, was_there
         "#
     ))
     .bind(&names)
@@ -213,65 +253,27 @@ pub async fn record(
     .bind(&fires)
     .bind(&sources)
     .bind(&outcomes)
+    .bind(&kinds)
+    .bind(&payloads)
+    .bind(&attempts)
+    .bind(&keys)
+    .bind(queue::NOTIFY_CHANNEL)
     .fetch_all(&mut *tx)
     .await?;
-    report.existed = (batch.len() - written.len()) as u64;
-
-    let by_key: HashMap<(&str, &str), &(&Schedule, Planned)> = batch
-        .iter()
-        .map(|entry| {
-            (
-                (entry.0.name.as_str(), entry.1.run.logical_run.as_str()),
-                entry,
-            )
-        })
-        .collect();
-    let mut jobs = Vec::new();
-    let mut linked = Vec::new();
-    for (name, run, outcome, was_there) in &written {
-        match outcome.as_str() {
-            "emitted" => {
-                let (schedule, planned) = by_key[&(name.as_str(), run.as_str())];
-                let mut job = NewJob::new(schedule.kind.clone())
-                    .payload(schedule.payload.clone())
-                    .run_at(planned.run.fire_at)
-                    .max_attempts(schedule.max_attempts)
-                    .idempotency_key(schedule.job_key(run));
-                job.schedule = Some(name.clone());
-                job.logical_run = Some(run.clone());
-                jobs.push(job);
-                linked.push((name.as_str(), run.as_str()));
-                if *was_there {
-                    report.emitted_after_skip += 1;
-                } else {
-                    report.emitted += 1;
-                }
-            }
-            "skipped_catchup" => report.skipped_catchup += 1,
-            _ => report.skipped_overlap += 1,
+    tx.commit().await?;
+    let mut written = 0;
+    for (schedule, outcome, was_there, count) in counts {
+        let count = count as u64;
+        written += count;
+        crate::metrics::record_schedule_runs(&schedule, &outcome, count);
+        match (outcome.as_str(), was_there) {
+            ("emitted", true) => report.emitted_after_skip += count,
+            ("emitted", false) => report.emitted += count,
+            ("skipped_catchup", _) => report.skipped_catchup += count,
+            _ => report.skipped_overlap += count,
         }
     }
-    if !jobs.is_empty() {
-        let ids: Vec<i64> = queue::enqueue_many(&mut tx, &jobs)
-            .await?
-            .into_iter()
-            .map(|e| e.id())
-            .collect();
-        let (link_names, link_runs): (Vec<&str>, Vec<&str>) = linked.into_iter().unzip();
-        sqlx::query(
-            r#"
-            UPDATE almanac.schedule_runs AS r SET job_id = l.job_id
-            FROM unnest($1::text[], $2::text[], $3::bigint[]) AS l(schedule, logical_run, job_id)
-            WHERE r.schedule = l.schedule AND r.logical_run = l.logical_run
-            "#,
-        )
-        .bind(&link_names)
-        .bind(&link_runs)
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
+    report.existed = n as u64 - written;
     Ok(report)
 }
 

@@ -3,19 +3,32 @@
 //!
 //! - [`cron`] parses expressions with crontab(5) meanings; [`timeline`] turns
 //!   them into real instants and logical runs under the project's DST rules.
-//! - [`spec`] loads and validates the schedule files, all or nothing.
+//! - [`spec`] loads and validates the schedule files, all or nothing; a
+//!   schedule's `start` date is applied there, once.
 //! - [`plan`] decides, for an injected `now`, which runs are on time, which
-//!   were missed, and what the catch-up policy does with them.
+//!   were missed, and what the catch-up policy does with them, starting from
+//!   the scheduler's own cursor.
 //! - [`ledger`] records runs and emits their jobs in one transaction keyed by
 //!   logical run: the guarantee that no run is emitted twice lives there.
-//! - [`leader`] is the advisory-lock leadership; [`ticker`] is the leader's
-//!   in-memory tick; [`backfill`] is the operator's backfill and gaps.
+//! - [`leader`] is the advisory-lock leadership and its lock session, which
+//!   the server ends when the leader goes silent (the takeover time and what
+//!   bounds it are stated there); [`ticker`] is the leader's in-memory tick;
+//!   [`backfill`] is the operator's backfill and gaps.
 //!
 //! [`Scheduler::run`] ties them together: stand by until the lock is won;
 //! then sync the definitions, catch up, and sleep until the next fire time
-//! (at most `max_sleep`, so leadership and reloads are re-checked), emitting
-//! each run when it comes due. SIGHUP (a message on the reload channel)
-//! reloads the files; a bad file keeps the old set and logs why.
+//! (at most `min(max_sleep, leader_timeout / 3)`, so the lock session speaks
+//! often enough, and leadership and reloads are re-checked), emitting each
+//! run when it comes due. With no enabled schedule the leader only keeps its
+//! session alive at that pace until a reload or shutdown. SIGHUP (a message on
+//! the reload channel) reloads the files; a bad file keeps the old set and
+//! logs why.
+//!
+//! **Time is the database's.** Every tick plans and classifies by `now()`
+//! read on the lock session ([`leader::Leadership::heartbeat`]); sleeps are
+//! measured on the monotonic clock from that reading. The host's wall clock is
+//! only compared with it, to warn when they differ: a host clock minutes off
+//! changes nothing. (`clock_offset` shifts that host clock, for tests.)
 
 pub mod backfill;
 pub mod cron;
@@ -29,15 +42,17 @@ pub mod timeline;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnectOptions;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use leader::Leadership;
+use crate::retry::Retry;
+use leader::{LeaderLost, Leadership};
+use ledger::Recorded;
 use spec::Schedule;
 use ticker::Ticker;
 
@@ -46,10 +61,16 @@ pub struct SchedulerConfig {
     pub schedules_dir: PathBuf,
     /// How often a standby tries the lock.
     pub standby_retry: Duration,
-    /// The longest the leader sleeps between checks.
+    /// The longest the leader sleeps between ticks.
     pub max_sleep: Duration,
     /// A run this late or less is on time; later, it was missed.
     pub grace: Duration,
+    /// How long the lock session may stay silent before PostgreSQL ends it,
+    /// and the client-side limit on each of its statements (see [`leader`]).
+    pub leader_timeout: Duration,
+    /// Added to the host clock this process reads (tests inject a skewed
+    /// clock with it). Zero in production.
+    pub clock_offset: chrono::Duration,
 }
 
 impl Default for SchedulerConfig {
@@ -59,7 +80,80 @@ impl Default for SchedulerConfig {
             standby_retry: Duration::from_secs(2),
             max_sleep: Duration::from_secs(5),
             grace: Duration::from_secs(60),
+            leader_timeout: Duration::from_secs(10),
+            clock_offset: chrono::Duration::zero(),
         }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("leader timeout {0:?} (--leader-timeout, ALMANAC_LEADER_TIMEOUT) is too short; use at least 1s (the default is 10s)")]
+    LeaderTimeout(Duration),
+    #[error("{0} must be more than zero")]
+    Zero(&'static str),
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.leader_timeout < Duration::from_secs(1) {
+            return Err(ConfigError::LeaderTimeout(self.leader_timeout));
+        }
+        if self.standby_retry.is_zero() {
+            return Err(ConfigError::Zero("standby retry"));
+        }
+        if self.max_sleep.is_zero() {
+            return Err(ConfigError::Zero("max sleep"));
+        }
+        Ok(())
+    }
+
+    /// The longest the leader stays silent on its lock session.
+    pub fn heartbeat(&self) -> Duration {
+        self.max_sleep.min(self.leader_timeout / 3)
+    }
+
+    /// A standby takes over from a silent leader within this, in the usual
+    /// case (see [`leader`] for the worst case).
+    pub fn takeover(&self) -> Duration {
+        self.leader_timeout + self.standby_retry
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    #[error(transparent)]
+    Load(#[from] spec::LoadError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// A signed duration such as `5m`, `-90s` or `+1h` (for `clock_offset`).
+pub fn parse_offset(text: &str) -> Result<chrono::Duration, String> {
+    let text = text.trim();
+    let (sign, rest) = match text.strip_prefix('-') {
+        Some(rest) => (-1, rest),
+        None => (1, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let d: crate::config::HumanDuration = rest.parse()?;
+    let d = chrono::Duration::from_std(d.0).map_err(|e| e.to_string())?;
+    Ok(d * sign)
+}
+
+/// How long the leader sleeps after a tick at database time `now`: until the
+/// next fire time, at most `heartbeat`; the full `heartbeat` when nothing
+/// enabled will fire (never a busy loop).
+pub fn pause(
+    next_wake: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+    heartbeat: Duration,
+) -> Duration {
+    match next_wake {
+        Some(next) => (next - now)
+            .to_std()
+            .unwrap_or(Duration::ZERO)
+            .min(heartbeat),
+        None => heartbeat,
     }
 }
 
@@ -78,10 +172,8 @@ enum Ended {
 
 impl Scheduler {
     /// Loads the schedule files now, so a bad file fails the start.
-    pub fn new(
-        options: PgConnectOptions,
-        config: SchedulerConfig,
-    ) -> Result<Self, spec::LoadError> {
+    pub fn new(options: PgConnectOptions, config: SchedulerConfig) -> Result<Self, SchedulerError> {
+        config.validate()?;
         let schedules = spec::load_dir(&config.schedules_dir)?;
         Ok(Scheduler {
             options,
@@ -106,106 +198,220 @@ impl Scheduler {
         }
     }
 
+    /// Leadership gained: the one place that records it.
+    fn gained(&self, leadership: &Leadership) {
+        self.leading.store(true, Ordering::SeqCst);
+        crate::metrics::record_leadership(true);
+        info!(
+            backend_pid = leadership.pid(),
+            takeover_bound_ms = self.config.takeover().as_millis() as u64,
+            "became scheduler leader"
+        );
+    }
+
+    /// Leadership lost or given up: the one place that records it.
+    fn lost(&self, why: &str) {
+        self.leading.store(false, Ordering::SeqCst);
+        crate::metrics::record_leadership(false);
+        warn!(
+            reason = why,
+            "scheduler leadership lost; stopped emitting, standing by"
+        );
+    }
+
+    /// What a tick recorded: the one place that records emitted and skipped runs.
+    fn recorded(&self, r: Recorded) {
+        if r.emitted + r.skipped_catchup + r.skipped_overlap > 0 {
+            info!(
+                emitted = r.emitted,
+                skipped_catchup = r.skipped_catchup,
+                skipped_overlap = r.skipped_overlap,
+                existed = r.existed,
+                "scheduler tick"
+            );
+        }
+    }
+
+    /// The host clock as this process reads it.
+    fn host_now(&self) -> DateTime<Utc> {
+        Utc::now() + self.config.clock_offset
+    }
+
     pub async fn run(mut self, shutdown: CancellationToken, mut reload: mpsc::Receiver<()>) {
-        info!(schedules = self.schedules.len(), dir = %self.config.schedules_dir.display(), "scheduler started");
+        info!(
+            schedules = self.schedules.len(),
+            dir = %self.config.schedules_dir.display(),
+            leader_timeout_ms = self.config.leader_timeout.as_millis() as u64,
+            "scheduler started"
+        );
         let mut standing_by = false;
-        let mut pause = self.config.standby_retry;
+        let mut retry = Retry::new(self.config.standby_retry, Duration::from_secs(30));
         loop {
             if shutdown.is_cancelled() {
                 return;
             }
-            match Leadership::try_acquire(&self.options).await {
+            let pause = match Leadership::try_acquire(&self.options, self.config.leader_timeout)
+                .await
+            {
                 Ok(Some(mut leadership)) => {
                     standing_by = false;
-                    pause = self.config.standby_retry;
-                    info!("became scheduler leader");
-                    self.leading.store(true, Ordering::SeqCst);
-                    crate::metrics::record_leadership(true);
+                    retry.succeeded();
+                    self.gained(&leadership);
                     let ended = loop {
                         match self.lead(&mut leadership, &shutdown, &mut reload).await {
                             Ended::Reload => self.reload(),
                             other => break other,
                         }
                     };
-                    self.leading.store(false, Ordering::SeqCst);
-                    crate::metrics::record_leadership(false);
-                    match ended {
-                        Ended::Shutdown => {
-                            leadership.release().await;
-                            info!("scheduler leader stepped down at shutdown");
-                            return;
-                        }
-                        _ => warn!("scheduler leadership lost; standing by"),
+                    if let Ended::Shutdown = ended {
+                        self.leading.store(false, Ordering::SeqCst);
+                        crate::metrics::record_leadership(false);
+                        leadership.release().await;
+                        info!("scheduler leader stepped down at shutdown");
+                        return;
                     }
+                    // The connection is dropped here: nothing more goes through it.
                     drop(leadership);
+                    self.config.standby_retry
                 }
                 Ok(None) => {
+                    retry.succeeded();
                     if !standing_by {
                         info!("another scheduler leads; standing by");
                         standing_by = true;
                     }
+                    self.config.standby_retry
                 }
                 Err(err) => {
+                    let pause = retry.failed();
                     warn!(%err, retry_in_ms = pause.as_millis() as u64, "cannot reach PostgreSQL for leadership");
-                    pause = (pause * 2).min(Duration::from_secs(30));
+                    pause
                 }
-            }
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 Some(()) = reload.recv() => self.reload(),
-                _ = tokio::time::sleep(if standing_by { self.config.standby_retry } else { pause }) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
         }
     }
 
-    /// Leads until shutdown, a reload, or the loss of the lock.
+    /// Leads until shutdown, a reload, or the loss of the lock session.
     async fn lead(
         &self,
         leadership: &mut Leadership,
         shutdown: &CancellationToken,
         reload: &mut mpsc::Receiver<()>,
     ) -> Ended {
-        let mut ticker = match Ticker::load(
-            leadership.conn(),
-            self.schedules.clone(),
-            self.config.grace,
+        let limit = leadership.timeout();
+        let heartbeat = self.config.heartbeat();
+        let loaded = tokio::time::timeout(
+            limit,
+            Ticker::load(leadership.conn(), self.schedules.clone(), self.config.grace),
         )
-        .await
-        {
-            Ok(ticker) => ticker,
-            Err(err) => {
-                warn!(%err, "syncing schedules failed");
+        .await;
+        let mut ticker = match loaded {
+            Ok(Ok(ticker)) => ticker,
+            Ok(Err(err)) => {
+                self.lost(&format!("syncing schedules failed: {err}"));
+                return Ended::Lost;
+            }
+            Err(_) => {
+                self.lost(&LeaderLost::Timeout(limit).to_string());
                 return Ended::Lost;
             }
         };
+        let mut skew_warned = false;
+        let mut idle_said = false;
         loop {
-            if let Err(err) = leadership.check().await {
-                error!(%err, "stopping emission");
-                return Ended::Lost;
-            }
-            match ticker.tick(leadership.conn(), Utc::now()).await {
-                Ok(r) if r.emitted + r.skipped_catchup + r.skipped_overlap > 0 => info!(
-                    emitted = r.emitted,
-                    skipped_catchup = r.skipped_catchup,
-                    skipped_overlap = r.skipped_overlap,
-                    "scheduler tick"
-                ),
-                Ok(_) => {}
+            let now = match leadership.heartbeat().await {
+                Ok(now) => now,
                 Err(err) => {
-                    warn!(%err, "scheduler tick failed");
+                    self.lost(&err.to_string());
                     return Ended::Lost;
                 }
+            };
+            let read_at = Instant::now();
+            let skew = self.host_now() - now;
+            if !skew_warned && skew.abs() > chrono::Duration::seconds(2) {
+                skew_warned = true;
+                warn!(
+                    host_minus_database_ms = skew.num_milliseconds(),
+                    "the host clock differs from the database's; the scheduler plans by the database's time"
+                );
             }
-            let sleep = ticker
-                .next_wake()
-                .and_then(|next| (next - Utc::now()).to_std().ok())
-                .unwrap_or(Duration::ZERO)
-                .min(self.config.max_sleep);
+            loop {
+                match tokio::time::timeout(limit, ticker.step(leadership.conn(), now)).await {
+                    Ok(Ok(step)) => {
+                        self.recorded(step.recorded);
+                        if !step.more {
+                            break;
+                        }
+                    }
+                    Ok(Err(err)) => {
+                        self.lost(&format!("tick failed: {err}"));
+                        return Ended::Lost;
+                    }
+                    Err(_) => {
+                        self.lost(&LeaderLost::Timeout(limit).to_string());
+                        return Ended::Lost;
+                    }
+                }
+            }
+            let next = ticker.next_wake();
+            if next.is_none() && !idle_said {
+                idle_said = true;
+                info!("no enabled schedule will fire; idle until a reload or shutdown");
+            }
+            let sleep = pause(next, now, heartbeat).saturating_sub(read_at.elapsed());
             tokio::select! {
                 _ = shutdown.cancelled() => return Ended::Shutdown,
                 Some(()) = reload.recv() => return Ended::Reload,
                 _ = tokio::time::sleep(sleep) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_leader_sleeps_until_the_next_run_and_never_spins_with_nothing_to_do() {
+        let now = Utc::now();
+        let beat = Duration::from_secs(3);
+        assert_eq!(
+            pause(None, now, beat),
+            beat,
+            "nothing enabled: no busy loop"
+        );
+        assert_eq!(
+            pause(Some(now + chrono::Duration::milliseconds(700)), now, beat),
+            Duration::from_millis(700)
+        );
+        assert_eq!(
+            pause(Some(now + chrono::Duration::hours(1)), now, beat),
+            beat
+        );
+        assert_eq!(
+            pause(Some(now - chrono::Duration::seconds(5)), now, beat),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn the_lock_session_speaks_often_enough_for_its_timeout() {
+        let config = SchedulerConfig {
+            leader_timeout: Duration::from_secs(6),
+            ..SchedulerConfig::default()
+        };
+        assert_eq!(config.heartbeat(), Duration::from_secs(2));
+        assert!(SchedulerConfig {
+            leader_timeout: Duration::from_millis(500),
+            ..config
+        }
+        .validate()
+        .is_err());
     }
 }

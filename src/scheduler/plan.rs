@@ -6,14 +6,14 @@
 //! `catchup`: `all` emits every missed run inside `catchup_window`; `latest`
 //! emits only the most recent due run; `none` emits none. Missed runs that
 //! are not emitted are still recorded, as `skipped_catchup`, so every logical
-//! run is accounted for. Nothing is planned before the schedule's `start`
-//! date, nor (for a schedule never run) before it was first synced.
+//! run is accounted for. Planning starts after the scheduler's own cursor
+//! ([`Cursor`]) and, for a schedule never planned, at its first sync; the
+//! `start` date is the schedule's own rule ([`Schedule::runs_between`]).
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use super::ledger::Cursor;
 use super::spec::{Catchup, Schedule};
 use super::timeline::Run;
 
@@ -48,21 +48,33 @@ pub struct Planned {
     pub decision: Decision,
 }
 
-/// The earliest instant the next run may fire at: just after the last
-/// recorded run, or, for a schedule never run, its first sync; never before
-/// its `start` date.
-pub fn next_from(schedule: &Schedule, cursor: &Cursor) -> DateTime<Utc> {
-    let from = match cursor.last_fire {
-        Some(last) => last + chrono::Duration::microseconds(1),
-        None => cursor.first_seen,
-    };
-    match schedule.start {
-        Some(start) => from.max(schedule.timeline.start_of(start)),
-        None => from,
+/// Where a schedule stands for planning: the last run the scheduler itself
+/// planned (a `tick` or `catchup` ledger row; backfilled rows never move
+/// it, so a partial backfill cannot hide earlier missed runs) and when the
+/// schedule was first synced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub last_planned: Option<DateTime<Utc>>,
+    pub first_seen: DateTime<Utc>,
+}
+
+impl Cursor {
+    /// The earliest instant the next run may fire at: just after the last
+    /// planned run or, for a schedule never planned, its first sync.
+    pub fn from(&self) -> DateTime<Utc> {
+        match self.last_planned {
+            Some(last) => last + chrono::Duration::microseconds(1),
+            None => self.first_seen,
+        }
     }
 }
 
-/// Runs from [`next_from`] up to and including `now`, at most `limit`, in order.
+/// The first run to plan after `cursor`.
+pub fn next_run(schedule: &Schedule, cursor: &Cursor) -> Option<Run> {
+    schedule.next_after(cursor.from() - chrono::Duration::microseconds(1))
+}
+
+/// Runs after `cursor` up to and including `now`, at most `limit`, in order.
 pub fn due_runs(
     schedule: &Schedule,
     cursor: &Cursor,
@@ -71,14 +83,39 @@ pub fn due_runs(
 ) -> Vec<Run> {
     runs_in(
         schedule,
-        next_from(schedule, cursor),
+        cursor.from(),
         now + chrono::Duration::microseconds(1),
         limit,
     )
 }
 
-/// Runs with `from <= fire_at < to` on or after the `start` date, at most
-/// `limit`, generated a day at a time so long ranges stay cheap.
+/// The runs due at `now` from `next` (the schedule's next run, already
+/// known), at most `limit`, and the run after them. In the usual case one
+/// run is due and this costs one `next_after`; a backlog is generated in
+/// bulk. Nothing already planned is scanned again.
+pub fn due_from(
+    schedule: &Schedule,
+    next: Run,
+    now: DateTime<Utc>,
+    limit: usize,
+) -> (Vec<Run>, Option<Run>) {
+    let mut following = schedule.next_after(next.fire_at);
+    let mut runs = vec![next];
+    if let Some(f) = following.as_ref().filter(|f| f.fire_at <= now && limit > 1) {
+        runs.extend(runs_in(
+            schedule,
+            f.fire_at,
+            now + chrono::Duration::microseconds(1),
+            limit - 1,
+        ));
+        let last = runs.last().map(|r| r.fire_at).unwrap_or(now);
+        following = schedule.next_after(last);
+    }
+    (runs, following)
+}
+
+/// The schedule's runs with `from <= fire_at < to`, at most `limit`,
+/// generated a month at a time so long ranges stay cheap.
 pub fn runs_in(
     schedule: &Schedule,
     from: DateTime<Utc>,
@@ -89,13 +126,7 @@ pub fn runs_in(
     let mut lo = from;
     while lo < to && out.len() < limit {
         let hi = (lo + chrono::Duration::days(31)).min(to);
-        out.extend(
-            schedule
-                .timeline
-                .runs_between(lo, hi)
-                .into_iter()
-                .filter(|r| schedule.start.is_none_or(|s| r.date >= s)),
-        );
+        out.extend(schedule.runs_between(lo, hi));
         lo = hi;
     }
     out.truncate(limit);
@@ -169,7 +200,7 @@ mod tests {
         let s = schedule(extra);
         let now = at(now);
         let cursor = Cursor {
-            last_fire: Some(at(after)),
+            last_planned: Some(at(after)),
             first_seen: at("2026-11-01T00:00:00Z"),
         };
         let runs = due_runs(&s, &cursor, now, 1000);
@@ -237,7 +268,7 @@ mod tests {
     fn nothing_before_start_nor_before_a_new_schedule_was_first_synced() {
         let s = schedule("start = \"2026-03-04\"");
         let new = |first_seen: &str| Cursor {
-            last_fire: None,
+            last_planned: None,
             first_seen: at(first_seen),
         };
         let names = |runs: Vec<Run>| runs.into_iter().map(|r| r.logical_run).collect::<Vec<_>>();
@@ -245,14 +276,51 @@ mod tests {
         assert_eq!(names(runs), vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
         let runs = due_runs(&s, &new("2026-03-04T12:00:00Z"), at(NOW), 100);
         assert_eq!(names(runs)[0], "2026-03-05");
-        // Once it has run (a backfill, say), the last run is the bound, not the first sync.
+        // Once it has been planned, the last planned run is the bound, not the first sync.
         let ran = Cursor {
-            last_fire: Some(at("2026-03-03T17:00:00Z")),
+            last_planned: Some(at("2026-03-03T17:00:00Z")),
             first_seen: at("2026-11-01T00:00:00Z"),
         };
         assert_eq!(
             names(due_runs(&s, &ran, at(NOW), 100)),
             vec!["2026-03-05", "2026-03-06"]
         );
+    }
+
+    #[test]
+    fn due_from_carries_the_next_run_forward_without_rescanning_and_agrees_with_due_runs() {
+        let s = schedule("");
+        let cursor = Cursor {
+            last_planned: Some(at(AFTER)),
+            first_seen: at("2026-01-01T00:00:00Z"),
+        };
+        let next = next_run(&s, &cursor).unwrap();
+        assert_eq!(next.logical_run, "2026-03-02");
+        // One due: the following run is the next one, in the future.
+        let (runs, following) = due_from(&s, next.clone(), at("2026-03-01T17:00:01Z"), 100);
+        assert_eq!(runs, vec![next.clone()]);
+        assert_eq!(following.unwrap().logical_run, "2026-03-03");
+        // A backlog: the same runs as planning from the cursor, then the next.
+        let (runs, following) = due_from(&s, next.clone(), at(NOW), 100);
+        assert_eq!(runs, due_runs(&s, &cursor, at(NOW), 100));
+        assert_eq!(following.unwrap().logical_run, "2026-03-07");
+        // Cut by the limit: the following run is still due.
+        let (runs, following) = due_from(&s, next, at(NOW), 2);
+        assert_eq!(runs.len(), 2);
+        assert_eq!(following.unwrap().logical_run, "2026-03-04");
+    }
+
+    #[test]
+    fn start_is_one_rule_for_windows_and_next_runs() {
+        let s = schedule("start = \"2026-03-04\"");
+        let from = at("2026-03-01T00:00:00Z");
+        assert_eq!(s.next_after(from).unwrap().logical_run, "2026-03-04");
+        let names: Vec<String> = s
+            .runs_between(from, at("2026-03-06T00:00:00Z"))
+            .into_iter()
+            .map(|r| r.logical_run)
+            .collect();
+        // 02:00 in Seoul is 17:00Z the day before.
+        assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
     }
 }

@@ -11,13 +11,13 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use chrono::NaiveDate;
+use chrono::{DateTime, NaiveDate, Utc};
 use chrono_tz::Tz;
 use serde::Deserialize;
 use toml::Spanned;
 
 use super::cron::CronExpr;
-use super::timeline::Timeline;
+use super::timeline::{Run, Timeline};
 use crate::config::{line_col, HumanDuration};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +92,40 @@ impl Schedule {
     /// The job idempotency key of one logical run.
     pub fn job_key(&self, logical_run: &str) -> String {
         format!("schedule:{}:{}", self.name, logical_run)
+    }
+
+    // The `start` date is applied here and nowhere else: a run belongs to
+    // the schedule when its slot's local date is on or after `start` (a slot
+    // that DST shifts across midnight keeps the date it was scheduled for).
+
+    fn admits(&self, run: &Run) -> bool {
+        self.start.is_none_or(|start| run.date >= start)
+    }
+
+    /// The instant no run of the schedule comes before: the local midnight
+    /// starting `start`, if any.
+    fn earliest(&self) -> Option<DateTime<Utc>> {
+        self.start.map(|start| self.timeline.start_of(start))
+    }
+
+    /// The schedule's runs with `from <= fire_at < to`, in order.
+    pub fn runs_between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Run> {
+        let from = self.earliest().map_or(from, |e| from.max(e));
+        let mut runs = self.timeline.runs_between(from, to);
+        runs.retain(|r| self.admits(r));
+        runs
+    }
+
+    /// The schedule's first run strictly after `t`.
+    pub fn next_after(&self, t: DateTime<Utc>) -> Option<Run> {
+        let t = self
+            .earliest()
+            .map_or(t, |e| t.max(e - chrono::Duration::microseconds(1)));
+        let mut next = self.timeline.next_after(t)?;
+        while !self.admits(&next) {
+            next = self.timeline.next_after(next.fire_at)?;
+        }
+        Some(next)
     }
 }
 

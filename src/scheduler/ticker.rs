@@ -1,29 +1,37 @@
 //! The leader's tick: every enabled schedule whose next run is due gets its
-//! due runs planned and recorded. Cursors (the last recorded run per
-//! schedule) are read once when leadership starts and kept in memory, so a
-//! tick in which nothing is due touches no table.
+//! due runs planned and recorded. Each schedule's next run is computed once
+//! from the scheduler's cursor when leadership starts and then carried
+//! forward in memory, so a tick in which nothing is due touches no table,
+//! and a due run costs one next-fire computation, not a rescan.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use super::ledger::{self, Cursor, LedgerError, Recorded};
+use super::ledger::{self, LedgerError, Recorded};
 use super::plan::{self, Planned};
 use super::spec::Schedule;
+use super::timeline::Run;
 
-/// Runs planned per schedule, and recorded per transaction, at most.
-const CHUNK: usize = 5_000;
+/// Runs recorded per transaction (one step), at most.
+pub const CHUNK: usize = 10_000;
 
 struct Entry {
     schedule: Schedule,
-    cursor: Cursor,
-    next: Option<DateTime<Utc>>,
+    next: Option<Run>,
 }
 
 pub struct Ticker {
     entries: Vec<Entry>,
     grace: Duration,
+}
+
+/// What one step recorded, and whether runs due at the same `now` remain.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Step {
+    pub recorded: Recorded,
+    pub more: bool,
 }
 
 impl Ticker {
@@ -42,23 +50,20 @@ impl Ticker {
                 let cursor = cursors
                     .remove(&schedule.name)
                     .expect("synced schedules have a cursor");
-                let next = next_of(&schedule, &cursor);
-                Entry {
-                    schedule,
-                    cursor,
-                    next,
-                }
+                let next = plan::next_run(&schedule, &cursor);
+                Entry { schedule, next }
             })
             .collect();
         Ok(Ticker { entries, grace })
     }
 
-    /// The earliest next fire time of any enabled schedule.
+    /// The earliest next fire time of any enabled schedule; `None` when no
+    /// enabled schedule will ever fire again.
     pub fn next_wake(&self) -> Option<DateTime<Utc>> {
         self.entries
             .iter()
             .filter(|e| e.schedule.enabled)
-            .filter_map(|e| e.next)
+            .filter_map(|e| e.next.as_ref().map(|r| r.fire_at))
             .min()
     }
 
@@ -66,7 +71,7 @@ impl Ticker {
         self.entries.iter().map(|e| &e.schedule)
     }
 
-    /// Records every run due at `now`, chunk by chunk, on `conn`.
+    /// Records every run due at `now`, step by step, on `conn`.
     pub async fn tick(
         &mut self,
         conn: &mut PgConnection,
@@ -74,53 +79,57 @@ impl Ticker {
     ) -> Result<Recorded, LedgerError> {
         let mut total = Recorded::default();
         loop {
-            let mut batch: Vec<(usize, Planned)> = Vec::new();
-            let mut advanced: Vec<(usize, Option<DateTime<Utc>>)> = Vec::new();
-            for (i, entry) in self.entries.iter().enumerate() {
-                if !entry.schedule.enabled || entry.next.is_none_or(|n| n > now) {
-                    continue;
-                }
-                let runs = plan::due_runs(&entry.schedule, &entry.cursor, now, CHUNK);
-                let complete = runs.len() < CHUNK;
-                advanced.push((i, runs.last().map(|r| r.fire_at)));
-                batch.extend(
-                    plan::classify(&entry.schedule, runs, now, self.grace, complete)
-                        .into_iter()
-                        .map(|p| (i, p)),
-                );
-                if batch.len() >= CHUNK {
-                    break;
-                }
-            }
-            if advanced.is_empty() {
+            let step = self.step(conn, now).await?;
+            total.add(step.recorded);
+            if !step.more {
                 return Ok(total);
-            }
-            let refs: Vec<(&Schedule, Planned)> = batch
-                .iter()
-                .map(|(i, p)| (&self.entries[*i].schedule, p.clone()))
-                .collect();
-            total.add(ledger::record(conn, &refs, true, false).await?);
-            for (i, last) in advanced {
-                let entry = &mut self.entries[i];
-                match last {
-                    Some(last) => {
-                        entry.cursor.last_fire = Some(last);
-                        entry.next = next_of(&entry.schedule, &entry.cursor);
-                    }
-                    // Nothing was due after all (e.g. filtered by `start`).
-                    None => entry.next = entry.schedule.timeline.next_after(now).map(|r| r.fire_at),
-                }
             }
         }
     }
-}
 
-pub(crate) fn next_of(schedule: &Schedule, cursor: &Cursor) -> Option<DateTime<Utc>> {
-    let after = plan::next_from(schedule, cursor) - chrono::Duration::microseconds(1);
-    let mut next = schedule.timeline.next_after(after)?;
-    // Skip runs dated before `start` (a slot shifted across midnight).
-    while schedule.start.is_some_and(|s| next.date < s) {
-        next = schedule.timeline.next_after(next.fire_at)?;
+    /// Records up to [`CHUNK`] runs due at `now` in one transaction. The
+    /// in-memory next runs advance only once that transaction committed.
+    pub async fn step(
+        &mut self,
+        conn: &mut PgConnection,
+        now: DateTime<Utc>,
+    ) -> Result<Step, LedgerError> {
+        let mut batch: Vec<(usize, Planned)> = Vec::new();
+        let mut advanced: Vec<(usize, Option<Run>)> = Vec::new();
+        let mut more = false;
+        for (i, entry) in self.entries.iter().enumerate() {
+            let Some(next) = entry.next.as_ref().filter(|n| n.fire_at <= now) else {
+                continue;
+            };
+            if !entry.schedule.enabled {
+                continue;
+            }
+            if batch.len() >= CHUNK {
+                more = true;
+                break;
+            }
+            let limit = CHUNK - batch.len();
+            let (runs, following) = plan::due_from(&entry.schedule, next.clone(), now, limit);
+            let complete = following.as_ref().is_none_or(|f| f.fire_at > now);
+            more |= !complete;
+            advanced.push((i, following));
+            batch.extend(
+                plan::classify(&entry.schedule, runs, now, self.grace, complete)
+                    .into_iter()
+                    .map(|p| (i, p)),
+            );
+        }
+        if batch.is_empty() {
+            return Ok(Step::default());
+        }
+        let refs: Vec<(&Schedule, &Planned)> = batch
+            .iter()
+            .map(|(i, p)| (&self.entries[*i].schedule, p))
+            .collect();
+        let recorded = ledger::record(conn, &refs, true, false).await?;
+        for (i, following) in advanced {
+            self.entries[i].next = following;
+        }
+        Ok(Step { recorded, more })
     }
-    Some(next.fire_at)
 }

@@ -211,14 +211,21 @@ impl Timeline {
     /// The first run strictly after `t`. Slots are resolved in wall-clock
     /// order and the scan stops once the wall clock is [`MAX_SHIFT`] past the
     /// best candidate: no later slot can fire earlier than that.
+    ///
+    /// When the offset is the same a day either side of `t` (no transition
+    /// near, as almost always), wall-clock order is instant order there, so
+    /// the first slot found within a day of `t` is the answer at once.
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<Run> {
+        let offsets = self.offsets_near(t);
+        let uniform = offsets.iter().all(|o| *o == offsets[0]);
+        let near = t + chrono::Duration::days(1);
         let lo = self.wall_bound(t, false);
         let mut best: Option<((DateTime<Utc>, NaiveDate), NaiveDateTime)> = None;
         let mut resolved = Vec::with_capacity(2);
         let mut date = lo.date();
         for _ in 0..SCAN_DAYS {
-            if let Some((_, wall)) = best {
-                if date.and_time(NaiveTime::MIN) > wall + MAX_SHIFT {
+            if let Some(((fire, _), wall)) = best {
+                if (uniform && fire <= near) || date.and_time(NaiveTime::MIN) > wall + MAX_SHIFT {
                     break;
                 }
             }
@@ -229,7 +236,9 @@ impl Timeline {
                     0
                 };
                 for slot in &self.slots[first..] {
-                    if best.is_some_and(|(_, wall)| date.and_time(*slot) > wall + MAX_SHIFT) {
+                    if best.is_some_and(|((fire, _), wall)| {
+                        (uniform && fire <= near) || date.and_time(*slot) > wall + MAX_SHIFT
+                    }) {
                         break;
                     }
                     resolved.clear();

@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tokio::net::TcpStream;
+
 use almanac::relay::{SinkConfig, SinkKind};
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
@@ -14,7 +16,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
-use tokio::net::TcpStream;
 
 pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
