@@ -45,7 +45,7 @@ pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
-    Claim, Failure, Fenced, ReapReport,
+    statuses, Claim, Failure, Fenced, ReapReport,
 };
 
 /// Where a job stands in the state machine.

@@ -14,6 +14,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
+use tokio::net::TcpStream;
 
 pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
