@@ -9,8 +9,8 @@ use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{redrive, Publisher, Relay, SinkConfig, SinkKind};
 use common::brokers::{self, unique, Tansu};
-use common::proxy::Proxy;
 use common::count;
+use common::proxy::Proxy;
 use sqlx::PgPool;
 
 async fn unpublished(pool: &PgPool) -> i64 {
