@@ -216,8 +216,26 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
     assert_eq!(report.completed, 0);
 }
 
+/// How the database path fails for two seconds.
+#[derive(Clone, Copy)]
+enum Blip {
+    /// Half-open: bytes stop, sockets stay open.
+    Freeze,
+    /// Connections drop and new ones are refused.
+    Cut,
+}
+
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_two_second_freeze_as_handlers_return_loses_no_outcome(pool: PgPool) {
+    a_blip_as_handlers_return_loses_no_outcome(pool, Blip::Freeze).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_two_second_cut_as_handlers_return_loses_no_outcome(pool: PgPool) {
+    a_blip_as_handlers_return_loses_no_outcome(pool, Blip::Cut).await;
+}
+
+async fn a_blip_as_handlers_return_loses_no_outcome(pool: PgPool, blip: Blip) {
     common::create_exec_log(&pool).await;
     const JOBS: usize = 20;
     // Renewals every 3 s, local deadline 7.2 s after the last one: a 2 s
@@ -225,7 +243,7 @@ async fn a_two_second_freeze_as_handlers_return_loses_no_outcome(pool: PgPool) {
     let lease = Duration::from_secs(9);
     enqueue(&pool, "task", JOBS, 5).await;
     let log = common::log_pool(&pool, 8).await;
-    let proxy = Proxy::postgres().await;
+    let mut proxy = Proxy::postgres().await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let handler_gate = gate.clone();
     let worker = Worker::new(through(&proxy, &pool, 8).await, config(lease, JOBS)).register(
@@ -248,11 +266,17 @@ async fn a_two_second_freeze_as_handlers_return_loses_no_outcome(pool: PgPool) {
     )
     .await;
 
-    proxy.freeze();
+    match blip {
+        Blip::Freeze => proxy.freeze(),
+        Blip::Cut => proxy.cut(),
+    }
     gate.add_permits(JOBS);
     // The blip itself: two seconds without a byte through.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    proxy.thaw();
+    match blip {
+        Blip::Freeze => proxy.thaw(),
+        Blip::Cut => proxy.restore().await,
+    }
     eventually("every job to be done", Duration::from_secs(30), || async {
         count(
             &pool,
