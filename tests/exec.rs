@@ -336,3 +336,27 @@ async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_
     }
     assert!(logs.contains("job failed for good"), "{logs}");
 }
+
+#[test]
+fn pass_env_takes_names_not_assignments() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args([
+            "work",
+            "--handler",
+            "k=true",
+            "--pass-env",
+            "API_TOKEN=abc123",
+        ])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env_remove("ALMANAC_PASS_ENV")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--pass-env")
+            && stderr.contains("`API_TOKEN=abc123` is not an environment variable name")
+            && stderr.contains("give the name only, e.g. --pass-env API_TOKEN"),
+        "{stderr}"
+    );
+}

@@ -472,6 +472,9 @@ impl Inner {
             .into_iter()
             .partition(|o| matches!(o.write, Write::Release(_)));
         let mut unsure = Vec::new();
+        // After one write went unanswered the rest wait for the next round
+        // (untried, so not ambiguous) instead of each waiting out a timeout.
+        let mut reachable = true;
 
         if !completes.is_empty() {
             let leases: Vec<(i64, Uuid)> = completes.iter().map(|o| (o.id, o.token)).collect();
@@ -486,11 +489,16 @@ impl Inner {
                         }
                     }
                 }
-                Err(err) => self.unwritten("complete", &err, completes, pending),
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("complete", &err, completes, pending);
+                }
             }
         }
 
-        if !releases.is_empty() {
+        if !reachable {
+            pending.extend(releases);
+        } else if !releases.is_empty() {
             let leases: Vec<(i64, Uuid)> = releases.iter().map(|o| (o.id, o.token)).collect();
             // One reason per statement: the first one's.
             let reason = match &releases[0].write {
@@ -512,11 +520,18 @@ impl Inner {
                         }
                     }
                 }
-                Err(err) => self.unwritten("release", &err, releases, pending),
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("release", &err, releases, pending);
+                }
             }
         }
 
         for o in fails {
+            if !reachable {
+                pending.push(o);
+                continue;
+            }
             let Write::Fail(failure) = &o.write else {
                 unreachable!("partitioned on Fail")
             };
@@ -530,7 +545,10 @@ impl Inner {
                     self.settle(o.id, executed, Some(failure.error()));
                 }
                 Ok(Fenced::Lost) => unsure.push(o),
-                Err(err) => self.unwritten("fail", &err, vec![o], pending),
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("fail", &err, vec![o], pending);
+                }
             }
         }
 
