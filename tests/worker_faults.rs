@@ -360,3 +360,35 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM exec_log").await, 2);
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_dropped_worker_renews_no_lease(pool: PgPool) {
+    let id = enqueue(&pool, "long", 1, 5).await[0];
+    let worker = Worker::new(pool.clone(), config(Duration::from_millis(900), 1)).register(
+        "long",
+        |_ctx: JobContext| async move {
+            std::future::pending::<()>().await;
+            Ok(())
+        },
+    );
+    // An embedding application gives up on the worker's future.
+    let running = tokio::spawn(worker.run(CancellationToken::new()));
+    eventually("the job to start", Duration::from_secs(15), || async {
+        queue::get(&pool, id).await.unwrap().status == JobStatus::Running
+    })
+    .await;
+    running.abort();
+    assert!(running.await.unwrap_err().is_cancelled());
+    // Nothing renews the lease any more: it runs out and the reaper takes it.
+    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    eventually(
+        "the lease to expire and be reaped",
+        Duration::from_secs(15),
+        || async { reaper.run_once().await.unwrap().requeued == 1 },
+    )
+    .await;
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().status,
+        JobStatus::Ready
+    );
+}

@@ -186,6 +186,19 @@ struct State {
     heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
 }
 
+/// Dropped with the last handle (say, an embedding application's timeout
+/// dropped `Worker::run`): the job tasks in the `JoinSet` are aborted, so
+/// their handlers are dropped (commands killed), and the heartbeat stops, so
+/// no lease is renewed for a handler that no longer exists; the leases
+/// expire and the reaper takes the jobs back.
+impl Drop for State {
+    fn drop(&mut self) {
+        if let Some((_, stop)) = &self.heartbeat {
+            stop.cancel();
+        }
+    }
+}
+
 /// Runs claimed jobs; cheap to clone (one executor, many handles).
 #[derive(Clone)]
 pub(crate) struct Executor {
