@@ -11,8 +11,13 @@
 //!  |  (operator)|                  |       used up          |  |
 //!  |            `---- fail (retryable, backoff) ------------'  |
 //!  |                 or reaper (lease expired)                 |
+//!  |                 or release (shutdown)                     |
 //!  `------------------------------------ [done] <-- complete --'
 //! ```
+//!
+//! Fail, the reaper and release all bury a job instead when its attempts are
+//! used up (`attempts >= max_attempts`): a claim is an attempt, however it
+//! ended.
 //!
 //! **The fence.** Claiming sets `status = 'running'`, `attempts + 1`, a fresh
 //! random `lease_token` per job and `lease_until`. Every later write by the
