@@ -1,7 +1,9 @@
-//! `almanac consume` stopped with SIGTERM mid-job, as a process: a job that
-//! finishes within the shutdown deadline is done, one that does not is
-//! released; neither waits for its lease (a minute here) to expire. One body,
-//! run against Kafka and RabbitMQ.
+//! Broker consumers under faults, one body per behaviour run against Kafka
+//! and RabbitMQ: `almanac consume` stopped with SIGTERM mid-job, as a
+//! process (a job that finishes within the shutdown deadline is done, one
+//! that does not is released; neither waits for its lease, a minute here, to
+//! expire); and a consumer whose database path freezes as its handlers
+//! return.
 
 mod common;
 
@@ -9,12 +11,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, JobStatus, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::worker::{JobContext, WorkerConfig};
 use common::brokers::{self, unique};
-use common::eventually;
+use common::{count, eventually};
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(unique(name));
@@ -159,4 +164,114 @@ async fn kafka_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool) {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn rabbitmq_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool) {
     a_consumer_stopped_mid_job_finishes_or_releases_it(pool, SinkKind::Rabbitmq).await;
+}
+
+/// A consumer whose database path freezes for two seconds just as its
+/// handlers return: every outcome is recorded (retried with the same lease)
+/// before the message is acked, and each job runs once.
+async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool, sink: SinkKind) {
+    common::create_exec_log(&pool).await;
+    const JOBS: usize = 5;
+    let destination = unique("blip");
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    let jobs: Vec<NewJob> = (0..JOBS)
+        .map(|i| NewJob::new("task").idempotency_key(format!("task:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config(),
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, JOBS as u64);
+
+    let proxy = common::proxy::Proxy::postgres().await;
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(6)
+        .connect(&proxy.postgres_url(&common::database_url(&pool)))
+        .await
+        .unwrap();
+    let log = common::log_pool(&pool, 4).await;
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let handler_gate = gate.clone();
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.clone(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: JOBS,
+            // Renewals every 3 s; the local deadline leaves > 4 s after a freeze.
+            lease: Duration::from_secs(9),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        },
+    };
+    let consumer = Consumer::new(proxied, brokers::sinks(), config).register(
+        "task",
+        move |ctx: JobContext| {
+            let (log, gate) = (log.clone(), handler_gate.clone());
+            async move {
+                common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+                gate.acquire().await.unwrap().forget();
+                Ok(())
+            }
+        },
+    );
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(stop.clone()));
+    eventually("a handler to start", Duration::from_secs(60), || async {
+        count(&pool, "SELECT count(*) FROM exec_log").await >= 1
+    })
+    .await;
+    proxy.freeze();
+    gate.add_permits(JOBS);
+    // The blip itself: two seconds without a byte through.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.thaw();
+    eventually("every job to be done", Duration::from_secs(60), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == JOBS as i64
+    })
+    .await;
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM exec_log").await,
+        JOBS as i64
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        JOBS as i64
+    );
+    assert_eq!(
+        (report.jobs.completed, report.jobs.lost),
+        (JOBS as u64, 0),
+        "{report:?}"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool) {
+    a_consumer_frozen_as_handlers_return_records_every_outcome(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool) {
+    a_consumer_frozen_as_handlers_return_records_every_outcome(pool, SinkKind::Rabbitmq).await;
 }
