@@ -333,6 +333,9 @@ impl Executor {
                 state.heartbeat.take(),
             )
         };
+        // Should this future be dropped half-way, the heartbeat stops with
+        // it (and the tasks, aborted with their JoinSet).
+        let heartbeat = heartbeat.map(|(handle, stop)| (handle, stop.drop_guard()));
         let deadline = self.inner.config.shutdown_deadline;
         if !tasks.is_empty() {
             info!(
@@ -360,7 +363,7 @@ impl Executor {
             let _ = recorder.await;
         }
         if let Some((heartbeat, stop)) = heartbeat {
-            stop.cancel();
+            drop(stop);
             let _ = heartbeat.await;
         }
         self.report()
