@@ -264,7 +264,7 @@ impl Executor {
         let token = job.lease_token.expect("a claimed job holds a lease");
         let cancel = CancellationToken::new();
         let (reply, rx) = oneshot::channel();
-        self.inner.flights().insert(
+        let displaced = self.inner.flights().insert(
             job.id,
             Flight {
                 token,
@@ -276,6 +276,21 @@ impl Executor {
                 _slot: slot,
             },
         );
+        if let Some(mut stale) = displaced {
+            // A flight of an earlier claim of this job, not settled yet: its
+            // lease is gone (the job was claimed again), so is its outcome.
+            stale.cancel.cancel();
+            self.inner.count(
+                job.id,
+                &stale.kind,
+                stale.attempt,
+                Executed::Lost,
+                Some("the job was claimed again before this attempt ended"),
+            );
+            if let Some(reply) = stale.reply.take() {
+                let _ = reply.send(Executed::Lost);
+            }
+        }
         while state.tasks.try_join_next().is_some() {}
         state.tasks.spawn(execute(
             self.inner.clone(),
@@ -381,9 +396,14 @@ impl Inner {
         self.flights.lock().expect("flights lock")
     }
 
-    /// When the handler of `id` must be cancelled unless its lease is renewed.
-    fn deadline(&self, id: i64) -> Instant {
-        let renewed = self.flights().get(&id).map(|f| f.renewed);
+    /// When the handler of `id` under `token` must be cancelled unless its
+    /// lease is renewed (now, if that flight is gone).
+    fn deadline(&self, id: i64, token: Uuid) -> Instant {
+        let renewed = self
+            .flights()
+            .get(&id)
+            .filter(|f| f.token == token)
+            .map(|f| f.renewed);
         renewed.map_or_else(Instant::now, |at| {
             at + self.config.lease.saturating_sub(self.margin)
         })
@@ -436,8 +456,15 @@ impl Inner {
     }
 
     /// Ends a flight: counts its outcome, tells whoever waits, frees its slot.
-    fn settle(&self, id: i64, executed: Executed, detail: Option<&str>) {
-        let Some(mut flight) = self.flights().remove(&id) else {
+    fn settle(&self, id: i64, token: Uuid, executed: Executed, detail: Option<&str>) {
+        let removed = {
+            let mut flights = self.flights();
+            match flights.get(&id) {
+                Some(flight) if flight.token == token => flights.remove(&id),
+                _ => None,
+            }
+        };
+        let Some(mut flight) = removed else {
             return;
         };
         self.count(id, &flight.kind, flight.attempt, executed, detail);
@@ -463,7 +490,7 @@ async fn execute(
     // Set once the handler is cancelled: when it is dropped if still running.
     let mut abandon_at: Option<Instant> = None;
     let result = loop {
-        let wake = abandon_at.unwrap_or_else(|| inner.deadline(id));
+        let wake = abandon_at.unwrap_or_else(|| inner.deadline(id, token));
         tokio::select! {
             result = &mut work => break Some(result),
             _ = inner.kill.cancelled() => break None,
@@ -474,7 +501,7 @@ async fn execute(
                 if abandon_at.is_some() {
                     break None;
                 }
-                if inner.deadline(id) > wake {
+                if inner.deadline(id, token) > wake {
                     continue;
                 }
                 warn!(
@@ -494,6 +521,7 @@ async fn execute(
         None => {
             inner.settle(
                 id,
+                token,
                 Executed::Lost,
                 Some("the handler ignored cancellation and was dropped at the end of its lease"),
             );

@@ -56,7 +56,7 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
         let now = Instant::now();
         let earliest = pending
             .iter()
-            .map(|o| inner.deadline(o.id))
+            .map(|o| inner.deadline(o.id, o.token))
             .min()
             .unwrap_or(now);
         let pause = retry.failed().min(earliest.saturating_duration_since(now));
@@ -76,7 +76,7 @@ impl Inner {
     fn give_up_expired(&self, pending: &mut Vec<Outcome>) {
         let now = Instant::now();
         pending.retain(|o| {
-            if self.deadline(o.id) > now {
+            if self.deadline(o.id, o.token) > now {
                 return true;
             }
             error!(
@@ -85,6 +85,7 @@ impl Inner {
             );
             self.settle(
                 o.id,
+                o.token,
                 Executed::Lost,
                 Some("the outcome could not be recorded before the local lease deadline"),
             );
@@ -114,7 +115,7 @@ impl Inner {
                     let held: HashSet<i64> = held.into_iter().collect();
                     for o in completes {
                         if held.contains(&o.id) {
-                            self.settle(o.id, Executed::Completed, None);
+                            self.settle(o.id, o.token, Executed::Completed, None);
                         } else {
                             unsure.push(o);
                         }
@@ -143,10 +144,11 @@ impl Inner {
                         match rows.get(&o.id) {
                             Some(JobStatus::Dead) => self.settle(
                                 o.id,
+                                o.token,
                                 Executed::Dead,
                                 Some("released at shutdown with its attempts used up"),
                             ),
-                            Some(_) => self.settle(o.id, Executed::Released, None),
+                            Some(_) => self.settle(o.id, o.token, Executed::Released, None),
                             None => unsure.push(o),
                         }
                     }
@@ -173,7 +175,7 @@ impl Inner {
                     } else {
                         Executed::Retried
                     };
-                    self.settle(o.id, executed, Some(failure.error()));
+                    self.settle(o.id, o.token, executed, Some(failure.error()));
                 }
                 Ok(Fenced::Lost) => unsure.push(o),
                 Err(err) => {
@@ -240,7 +242,7 @@ impl Inner {
                 (Write::Fail(failure), _) => failure.error(),
                 _ => "recorded by a try whose answer was lost",
             };
-            self.settle(o.id, executed, Some(detail));
+            self.settle(o.id, o.token, executed, Some(detail));
         }
     }
 }
