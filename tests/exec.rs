@@ -267,6 +267,38 @@ async fn a_command_ends_when_its_shell_ends_background_children_included(pool: P
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_child_that_escapes_the_process_group_cannot_hold_the_job(pool: PgPool) {
+    let dir = scratch("escape");
+    let pidfile = dir.join("pid");
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("escape").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    // A new session keeps the stderr pipe open past the group kill.
+    let command = format!(
+        "setsid sh -c 'echo $$ > {0}; exec sleep 600' & while [ ! -s {0} ]; do sleep 0.01; done; \
+         echo 'could not reach the API' >&2; exit 3",
+        pidfile.display()
+    );
+    let worker = Worker::new(pool.clone(), config()).register("escape", ExecHandler::new(command));
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to die", Duration::from_secs(15), || {
+        status_is(&pool, id, JobStatus::Dead)
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    // SAFETY: kills the escaped process this test's command started.
+    unsafe { libc::kill(read_pid(&pidfile), libc::SIGKILL) };
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().last_error.as_deref(),
+        Some("command exited with status 3; stderr: could not reach the API")
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_logs(pool: PgPool) {
     // Trust authentication ignores the password, so a URL may carry one.
     let plain = common::database_url(&pool);

@@ -117,19 +117,25 @@ impl ExecHandler {
             let _ = stdin.write_all(&payload).await;
         });
         let mut stderr = child.stderr.take().expect("stderr is piped");
-        let mut tail = tokio::spawn(async move {
-            let mut tail = Vec::new();
-            let mut buf = [0u8; 8192];
-            while let Ok(n) = stderr.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-                tail.extend_from_slice(&buf[..n]);
-                if tail.len() > STDERR_TAIL {
-                    tail.drain(..tail.len() - STDERR_TAIL);
+        // The tail is shared so that what arrived is kept even when reading
+        // is cut short.
+        let tail = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut reader = tokio::spawn({
+            let tail = tail.clone();
+            async move {
+                let mut buf = [0u8; 8192];
+                while let Ok(n) = stderr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut tail = tail.lock().expect("stderr tail lock");
+                    tail.extend_from_slice(&buf[..n]);
+                    if tail.len() > STDERR_TAIL {
+                        let excess = tail.len() - STDERR_TAIL;
+                        tail.drain(..excess);
+                    }
                 }
             }
-            String::from_utf8_lossy(&tail).trim().to_string()
         });
 
         let timeout = async {
@@ -149,13 +155,16 @@ impl ExecHandler {
         if ended.is_err() {
             let _ = child.wait().await;
         }
-        let stderr = match tokio::time::timeout(STDERR_GRACE, &mut tail).await {
-            Ok(stderr) => stderr.unwrap_or_default(),
-            Err(_) => {
-                // A process outside the group still holds the pipe.
-                tail.abort();
-                String::new()
-            }
+        if tokio::time::timeout(STDERR_GRACE, &mut reader)
+            .await
+            .is_err()
+        {
+            // A process outside the group still holds the pipe.
+            reader.abort();
+        }
+        let stderr = {
+            let tail = tail.lock().expect("stderr tail lock");
+            String::from_utf8_lossy(&tail).trim().to_string()
         };
         match ended {
             Ok(status) => classify(status, stderr),
