@@ -106,6 +106,15 @@ pub struct Consumer {
     counters: Arc<Counters>,
 }
 
+/// Why a message's job could not be claimed; the message is not acked.
+#[derive(Debug, thiserror::Error)]
+enum ClaimError {
+    #[error(transparent)]
+    Db(#[from] QueueError),
+    #[error("no answer from the database within {0:?}")]
+    TimedOut(std::time::Duration),
+}
+
 /// What became of one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handled {
@@ -146,7 +155,7 @@ impl Consumer {
         &self,
         executor: &Executor,
         job_id: Option<i64>,
-    ) -> Result<Option<Handled>, QueueError> {
+    ) -> Result<Option<Handled>, ClaimError> {
         let Some(id) = job_id else {
             warn!("message without a valid {JOB_ID_HEADER} header; skipping it");
             self.counters.skipped.fetch_add(1, Ordering::Relaxed);
@@ -154,8 +163,15 @@ impl Consumer {
         };
         let slot = executor.slot().await;
         let sent = Instant::now();
-        let claimed =
-            queue::claim_by_id(&self.pool, id, &self.kinds(), self.config.worker.lease).await?;
+        // A claim that gets no answer is abandoned (and the message not
+        // acked): should it have committed, its lease expires and the reaper
+        // makes the job ready again, with a fresh message.
+        let within = self.config.worker.lease / 3;
+        let kinds = self.kinds();
+        let claim = queue::claim_by_id(&self.pool, id, &kinds, self.config.worker.lease);
+        let claimed = tokio::time::timeout(within, claim)
+            .await
+            .map_err(|_| ClaimError::TimedOut(within))??;
         let Some(job) = claimed else {
             self.counters.skipped.fetch_add(1, Ordering::Relaxed);
             return Ok(Some(Handled::Skipped));
