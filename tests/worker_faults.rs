@@ -101,7 +101,8 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
 ) {
     create_runs(&pool).await;
     const JOBS: usize = 4;
-    let lease = Duration::from_secs(3);
+    // Margin 0.8 s: room for a loaded machine between cancel and the lease end.
+    let lease = Duration::from_secs(4);
     let ids = enqueue(&pool, "report", JOBS, 5).await;
     let log = common::log_pool(&pool, 8).await;
     let proxy = Proxy::postgres().await;
