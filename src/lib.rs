@@ -8,9 +8,10 @@
 //! - [`queue`]: the job table's state machine and its lease fence: enqueue,
 //!   claim, complete, fail, heartbeat, and the operator actions (retry, cancel,
 //!   list, stats). Every change of a job's status goes through here.
-//! - [`worker`]: the runtime that claims jobs for registered handlers, runs them
-//!   under heartbeated leases and records their outcome; [`worker::exec`] is the
-//!   shell-command handler behind `almanac work`.
+//! - [`worker`]: the runtime that claims jobs for registered handlers;
+//!   [`worker::executor`] runs them (for workers and consumers alike) under
+//!   heartbeated leases and a local lease deadline and records their outcome;
+//!   [`worker::exec`] is the shell-command handler behind `almanac work`.
 //! - [`maintenance`]: the reaper, which returns expired leases to `ready` (or
 //!   `dead`), and the janitor, which deletes finished jobs and published outbox
 //!   rows past retention; both in short SKIP LOCKED batches.

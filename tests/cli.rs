@@ -14,6 +14,8 @@ fn almanac(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_almanac"))
         .args(args)
         .env("DATABASE_URL", url)
+        // Many tests run at once: none takes the default port 9797.
+        .env("ALMANAC_HTTP_ADDR", "off")
         .env_remove("ALMANAC_CONFIG")
         .env("RUST_LOG", "warn")
         .output()

@@ -14,6 +14,8 @@ fn almanac(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_almanac"))
         .args(args)
         .env("DATABASE_URL", url)
+        // Many tests run at once: none takes the default port 9797.
+        .env("ALMANAC_HTTP_ADDR", "off")
         .env("RUST_LOG", "warn")
         .env_remove("ALMANAC_AMQP_URL")
         .env_remove("ALMANAC_KAFKA_BROKERS")

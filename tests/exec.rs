@@ -189,3 +189,206 @@ async fn a_command_whose_lease_is_lost_is_killed_with_its_children(pool: PgPool)
     let report = running.await.unwrap().unwrap();
     assert_eq!(report.lost, 1);
 }
+
+/// Whether `pid` has ended (gone, or a zombie waiting for its parent).
+fn gone(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains(") Z"))
+        .unwrap_or(false);
+    !alive || zombie
+}
+
+fn read_pid(path: &std::path::Path) -> i32 {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_command_ends_when_its_shell_ends_background_children_included(pool: PgPool) {
+    let dir = scratch("background");
+    let (left, timed) = (dir.join("left"), dir.join("timed"));
+    let mut conn = pool.acquire().await.unwrap();
+    let quick = queue::enqueue(&mut conn, &NewJob::new("leaves_child"))
+        .await
+        .unwrap()
+        .id();
+    let slow = queue::enqueue(&mut conn, &NewJob::new("times_out").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    // The background `sleep` holds the stderr pipe open: reading stderr to
+    // EOF would wait ten minutes.
+    let worker = Worker::new(pool.clone(), config())
+        .register(
+            "leaves_child",
+            ExecHandler::new(format!("sleep 600 & echo $! > {}; exit 0", left.display())),
+        )
+        .register(
+            "times_out",
+            ExecHandler::new(format!(
+                "sleep 600 & echo $! > {}; sleep 30",
+                timed.display()
+            ))
+            .timeout(Some(Duration::from_millis(500))),
+        );
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to be done", Duration::from_secs(10), || {
+        status_is(&pool, quick, JobStatus::Done)
+    })
+    .await;
+    eventually("the timed-out job to die", Duration::from_secs(10), || {
+        status_is(&pool, slow, JobStatus::Dead)
+    })
+    .await;
+    for pidfile in [&left, &timed] {
+        let pid = read_pid(pidfile);
+        eventually(
+            "the background child to be killed",
+            Duration::from_secs(5),
+            || async move { gone(pid) },
+        )
+        .await;
+    }
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!((report.completed, report.dead), (1, 1));
+    assert!(queue::get(&pool, slow)
+        .await
+        .unwrap()
+        .last_error
+        .unwrap()
+        .contains("ran past its timeout of 500ms"));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_child_that_escapes_the_process_group_cannot_hold_the_job(pool: PgPool) {
+    let dir = scratch("escape");
+    let pidfile = dir.join("pid");
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("escape").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    // A new session keeps the stderr pipe open past the group kill.
+    let command = format!(
+        "setsid sh -c 'echo $$ > {0}; exec sleep 600' & while [ ! -s {0} ]; do sleep 0.01; done; \
+         echo 'could not reach the API' >&2; exit 3",
+        pidfile.display()
+    );
+    let worker = Worker::new(pool.clone(), config()).register("escape", ExecHandler::new(command));
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("the job to die", Duration::from_secs(15), || {
+        status_is(&pool, id, JobStatus::Dead)
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    // SAFETY: kills the escaped process this test's command started.
+    unsafe { libc::kill(read_pid(&pidfile), libc::SIGKILL) };
+    assert_eq!(
+        queue::get(&pool, id).await.unwrap().last_error.as_deref(),
+        Some("command exited with status 3; stderr: could not reach the API")
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_logs(pool: PgPool) {
+    // Trust authentication ignores the password, so a URL may carry one.
+    let plain = common::database_url(&pool);
+    let (scheme, rest) = plain.split_once("://").unwrap();
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let url = format!("{scheme}://postgres:pgS3cretPw@{host}");
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("leak").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args([
+            "work",
+            "--handler",
+            "leak=env >&2; exit 3",
+            "--pass-env",
+            "REPORT_BUCKET",
+            "--poll-interval",
+            "50ms",
+        ])
+        .env("DATABASE_URL", &url)
+        .env(
+            "ALMANAC_AMQP_URL",
+            "amqp://guest:amqpS3cretPw@127.0.0.1:1/%2f",
+        )
+        .env("REPORT_BUCKET", "s3://reports")
+        .env("UNLISTED_SETTING", "not-for-commands")
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually("the job to die", Duration::from_secs(30), || {
+        status_is(&pool, id, JobStatus::Dead)
+    })
+    .await;
+    // SAFETY: signals the child this test spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let logs = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let error = queue::get(&pool, id).await.unwrap().last_error.unwrap();
+    for secret in [
+        "pgS3cretPw",
+        "amqpS3cretPw",
+        "DATABASE_URL",
+        "not-for-commands",
+    ] {
+        assert!(!error.contains(secret), "{secret} in last_error: {error}");
+        assert!(
+            !logs.contains(secret) || secret == "DATABASE_URL",
+            "{secret} in logs:\n{logs}"
+        );
+    }
+    for expected in [
+        "REPORT_BUCKET=s3://reports".to_string(),
+        format!("ALMANAC_JOB_ID={id}"),
+        "ALMANAC_KIND=leak".to_string(),
+        "PATH=".to_string(),
+    ] {
+        assert!(error.contains(&expected), "{expected} missing from {error}");
+    }
+    assert!(logs.contains("job failed for good"), "{logs}");
+}
+
+#[test]
+fn pass_env_takes_names_not_assignments() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args([
+            "work",
+            "--handler",
+            "k=true",
+            "--pass-env",
+            "API_TOKEN=abc123",
+        ])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env_remove("ALMANAC_PASS_ENV")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--pass-env")
+            && stderr.contains("`API_TOKEN=abc123` is not an environment variable name")
+            && stderr.contains("give the name only, e.g. --pass-env API_TOKEN"),
+        "{stderr}"
+    );
+}

@@ -202,6 +202,8 @@ async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_noth
             .args(&args)
             .arg(&dir)
             .env("DATABASE_URL", &url)
+            // Many tests run at once: none takes the default port 9797.
+            .env("ALMANAC_HTTP_ADDR", "off")
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");

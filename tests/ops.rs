@@ -522,6 +522,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
 async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgPool) {
     let url = common::database_url(&pool);
     let dir = tempdir();
+    std::fs::create_dir_all(dir.join("none")).unwrap();
     let run = |args: &[&str], config: Option<&str>| {
         let mut cmd = almanac();
         cmd.current_dir(&dir)

@@ -325,7 +325,7 @@ async fn shutdown_lets_handlers_finish_in_time_and_releases_the_rest(pool: PgPoo
     assert!(released
         .last_error
         .unwrap()
-        .contains("released at worker shutdown"));
+        .contains("released at shutdown"));
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]

@@ -8,7 +8,7 @@ use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
 use crate::relay::SinkKind;
 use crate::supervisor::until_signal;
-use crate::worker::exec::{parse_handler_spec, ExecHandler};
+use crate::worker::exec::parse_handler_spec;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -31,7 +31,7 @@ pub struct Args {
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let worker = args.worker.resolve(ctx)?;
-    let timeout = args.worker.command_timeout(ctx);
+    args.worker.warn_unset_pass_env();
     let sinks = args.sinks.resolve(ctx);
     if !sinks.configured().contains(&args.sink) {
         bail!(
@@ -52,7 +52,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     };
     let mut consumer = Consumer::new(pool, sinks, config);
     for (kind, command) in args.handlers {
-        consumer = consumer.register(kind, ExecHandler::new(command).timeout(timeout));
+        consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
     let report = until_signal(|token| consumer.run(token)).await?;
     tracing::info!(?report, "consumer stopped");

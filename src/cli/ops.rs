@@ -21,11 +21,15 @@ pub struct HttpFlags {
 }
 
 impl HttpFlags {
+    /// The flag, else `http_addr` in the config file, else `default`.
+    pub fn addr(&self, ctx: &Ctx, default: HttpAddr) -> HttpAddr {
+        self.http_addr.or(ctx.config.http_addr).unwrap_or(default)
+    }
+
     /// Binds the endpoint (before anything else starts, so a taken port
     /// fails the command at once), or `None` when it is off.
     pub async fn bind(&self, ctx: &Ctx, default: HttpAddr) -> anyhow::Result<Option<HttpServer>> {
-        let addr = self.http_addr.or(ctx.config.http_addr).unwrap_or(default);
-        let Some(addr) = addr.0 else {
+        let Some(addr) = self.addr(ctx, default).0 else {
             return Ok(None);
         };
         let auth = match (&self.http_basic_auth, &ctx.config.http_basic_auth) {

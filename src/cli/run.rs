@@ -72,7 +72,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     } else {
         ctx.config.roles.clone()
     };
-    let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
+    let http_on = args.http.addr(ctx, HttpAddr::RUN_DEFAULT).0.is_some();
     let roles: Vec<String> = match explicit {
         Some(list) => {
             let list: Vec<String> = list.iter().map(|r| r.trim().to_string()).collect();
@@ -88,7 +88,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             .iter()
             .filter(|r| match **r {
                 "relay" => !sinks.configured().is_empty(),
-                "metrics" => http.is_some(),
+                "metrics" => http_on,
                 _ => true,
             })
             .map(|r| r.to_string())
@@ -98,7 +98,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if wants("relay") && sinks.configured().is_empty() {
         bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url (or leave `relay` out of --roles)");
     }
-    if wants("metrics") && http.is_none() {
+    if wants("metrics") && !http_on {
         bail!("the metrics role feeds the HTTP endpoint, which is off: set --http-addr (or leave `metrics` out of --roles)");
     }
 
@@ -181,6 +181,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         Vec::new()
     };
 
+    // Last before the database: a taken port fails the start, nothing applied.
+    let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
     let pool = ctx.migrated_pool(8).await?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {

@@ -5,7 +5,7 @@ use anyhow::bail;
 use super::Ctx;
 use crate::config::HumanDuration;
 use crate::supervisor::until_signal;
-use crate::worker::exec::{parse_handler_spec, ExecHandler};
+use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
 
 #[derive(Debug, clap::Args)]
@@ -39,6 +39,11 @@ pub struct WorkerFlags {
     /// Kill a command and retry its job after this long [default: none].
     #[arg(long, env = "ALMANAC_TIMEOUT")]
     pub timeout: Option<HumanDuration>,
+    /// Pass this variable of almanac's environment on to commands; repeat
+    /// for more (comma-separated in ALMANAC_PASS_ENV). Commands otherwise get
+    /// only PATH, HOME, LANG, TZ and the job's ALMANAC_* variables.
+    #[arg(long = "pass-env", value_name = "NAME", env = "ALMANAC_PASS_ENV", value_delimiter = ',', value_parser = parse_env_name)]
+    pub pass_env: Vec<String>,
 }
 
 impl WorkerFlags {
@@ -77,11 +82,29 @@ impl WorkerFlags {
     pub fn command_timeout(&self, ctx: &Ctx) -> Option<std::time::Duration> {
         self.timeout.or(ctx.config.worker.timeout).map(|d| d.0)
     }
+
+    /// The exec handler for `command` with these settings.
+    pub fn exec_handler(&self, ctx: &Ctx, command: String) -> ExecHandler {
+        ExecHandler::new(command)
+            .timeout(self.command_timeout(ctx))
+            .pass_env(self.pass_env.iter().cloned())
+    }
+
+    /// Warns about `--pass-env` names that are not set (nothing to pass).
+    pub fn warn_unset_pass_env(&self) {
+        for name in self
+            .pass_env
+            .iter()
+            .filter(|n| std::env::var_os(n).is_none())
+        {
+            tracing::warn!(name = %name, "--pass-env names a variable that is not set; commands will not get it");
+        }
+    }
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let config = args.worker.resolve(ctx)?;
-    let timeout = args.worker.command_timeout(ctx);
+    args.worker.warn_unset_pass_env();
     let mut kinds: Vec<&str> = args.handlers.iter().map(|(k, _)| k.as_str()).collect();
     kinds.sort_unstable();
     if let Some(pair) = kinds.windows(2).find(|w| w[0] == w[1]) {
@@ -93,7 +116,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.migrated_pool(4).await?;
     let mut worker = Worker::new(pool, config);
     for (kind, command) in args.handlers {
-        worker = worker.register(kind, ExecHandler::new(command).timeout(timeout));
+        worker = worker.register(kind, args.worker.exec_handler(ctx, command));
     }
     let report = until_signal(|token| worker.run(token)).await?;
     tracing::info!(?report, "worker stopped");

@@ -1,5 +1,6 @@
 //! The Kafka side of a consumer: one message at a time, offset committed
-//! after the job's outcome is recorded.
+//! after the job's outcome is recorded (never for a message whose job was in
+//! hand when the executor stopped without knowing its outcome).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,9 +14,12 @@ use tracing::{info, warn};
 use super::{Consumer, JOB_ID_HEADER};
 use crate::relay::kafka::{admin, ensure_topic};
 use crate::relay::{SinkError, SinkKind};
+use crate::retry::Retry;
+use crate::worker::Executor;
 
 pub(super) async fn run(
     consumer: Arc<Consumer>,
+    executor: Executor,
     shutdown: CancellationToken,
 ) -> Result<(), SinkError> {
     let brokers = consumer
@@ -72,19 +76,23 @@ pub(super) async fn run(
         SinkError::Broker(format!("cannot subscribe to Kafka topic `{topic}`: {e}"))
     })?;
     info!(%topic, %group, "Kafka consumer started");
+    let mut retry = Retry::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
         let message = tokio::select! {
             _ = shutdown.cancelled() => break,
             message = stream.recv() => message,
         };
         let message = match message {
-            Ok(message) => message,
+            Ok(message) => {
+                retry.succeeded();
+                message
+            }
             Err(err) => {
                 warn!(%err, %topic, "Kafka receive failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                if retry.pause(&shutdown).await {
+                    continue;
                 }
+                break;
             }
         };
         let job_id = message.headers().and_then(|headers| {
@@ -95,8 +103,10 @@ pub(super) async fn run(
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .and_then(|v| v.parse::<i64>().ok())
         });
+        // Runs to its outcome even after `shutdown`: the executor's own
+        // shutdown bounds it by the deadline.
         if consumer
-            .handle_until_done(job_id, &shutdown)
+            .handle_until_done(&executor, job_id, &shutdown)
             .await
             .is_none()
         {

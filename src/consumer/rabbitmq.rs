@@ -16,6 +16,7 @@ use super::{Consumer, JOB_ID_HEADER};
 use crate::redact::redact_url;
 use crate::relay::rabbitmq::{connect, declare};
 use crate::relay::{SinkError, SinkKind};
+use crate::worker::Executor;
 
 fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
     let value = headers.as_ref()?.inner().get(JOB_ID_HEADER)?;
@@ -29,6 +30,7 @@ fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
 
 pub(super) async fn run(
     consumer: Arc<Consumer>,
+    executor: Executor,
     shutdown: CancellationToken,
 ) -> Result<(), SinkError> {
     let url = consumer
@@ -81,7 +83,14 @@ pub(super) async fn run(
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
         loop {
             let next = tokio::select! {
-                _ = shutdown.cancelled() => break 'connect,
+                _ = shutdown.cancelled() => {
+                    // Deliveries in hand are acked on this connection once
+                    // their jobs end (the executor bounds that by its
+                    // shutdown deadline); then it closes.
+                    while running.join_next().await.is_some() {}
+                    let _ = conn.close(200, "shutting down").await;
+                    break 'connect;
+                }
                 next = deliveries.next() => next,
             };
             while running.try_join_next().is_some() {}
@@ -96,10 +105,15 @@ pub(super) async fn run(
                     break;
                 }
             };
-            let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+            let (consumer, executor, shutdown) =
+                (consumer.clone(), executor.clone(), shutdown.clone());
             running.spawn(async move {
                 let id = job_id(delivery.properties.headers());
-                if consumer.handle_until_done(id, &shutdown).await.is_some() {
+                if consumer
+                    .handle_until_done(&executor, id, &shutdown)
+                    .await
+                    .is_some()
+                {
                     if let Err(err) = delivery.ack(BasicAckOptions::default()).await {
                         warn!(%err, job_id = id, "RabbitMQ ack failed; the message will be delivered again");
                     }
@@ -108,16 +122,9 @@ pub(super) async fn run(
         }
         let _ = conn.close(200, "reconnecting").await;
     }
-    // Let deliveries in hand finish within the worker's shutdown deadline.
-    let deadline = consumer.config.worker.shutdown_deadline;
-    if tokio::time::timeout(deadline, async {
-        while running.join_next().await.is_some() {}
-    })
-    .await
-    .is_err()
-    {
-        running.abort_all();
-    }
+    // Deliveries of a connection that broke before shutdown: their jobs end
+    // within the executor's deadline; their acks may fail (redelivered).
+    while running.join_next().await.is_some() {}
     info!(%queue, "RabbitMQ consumer stopped");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Claim and every write that the lease fence guards. See the module doc of
 //! [`crate::queue`] for the guarantee.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use sqlx::PgExecutor;
@@ -162,6 +163,15 @@ pub enum Failure {
     Permanent { error: String },
 }
 
+impl Failure {
+    /// The message kept in `last_error`.
+    pub fn error(&self) -> &str {
+        match self {
+            Failure::Retry { error, .. } | Failure::Permanent { error } => error,
+        }
+    }
+}
+
 /// Records a failed attempt under the fence: `ready` again after the delay,
 /// or `dead` when the failure is permanent or `attempts >= max_attempts`.
 /// `last_error` keeps the message either way. Returns the new status.
@@ -232,26 +242,36 @@ pub async fn heartbeat_many<'e>(
     Ok(held.into_iter().map(|(id,)| id).collect())
 }
 
-/// Gives held leases back: the jobs are `ready` and due at once. Used at
-/// shutdown for handlers that did not finish in time; the attempt still
-/// counts, so a job that always hangs a shutdown ends dead, not looping.
+/// Gives held leases back: the jobs are `ready` and due at once, or `dead`
+/// when their attempts are used up (the attempt that was cut short counts),
+/// so a job that always outlives a shutdown ends dead instead of looping past
+/// `max_attempts`. `reason` becomes `last_error`; a buried job's says why it
+/// is dead. Returns each released id with its new status. Used at shutdown
+/// for handlers that did not finish in time.
 pub async fn release<'e>(
     db: impl PgExecutor<'e>,
     leases: &[(i64, Uuid)],
     reason: &str,
-) -> Result<Vec<i64>, QueueError> {
+) -> Result<Vec<(i64, JobStatus)>, QueueError> {
     if leases.is_empty() {
         return Ok(Vec::new());
     }
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    let released: Vec<(i64,)> = sqlx::query_as(
+    let released: Vec<(i64, JobStatus)> = sqlx::query_as(
         r#"
         UPDATE almanac.jobs AS j
-        SET status = 'ready', run_at = clock_timestamp(), lease_token = NULL, lease_until = NULL,
-            last_error = $3
+        SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
+            finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
+            last_error = CASE WHEN j.attempts >= j.max_attempts
+                THEN format('%s; that was attempt %s of %s, so the job is dead',
+                            $3::text, j.attempts, j.max_attempts)
+                ELSE $3 END,
+            lease_token = NULL,
+            lease_until = NULL
         FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)
         WHERE j.id = r.id AND j.status = 'running' AND j.lease_token = r.token
-        RETURNING j.id
+        RETURNING j.id, j.status
         "#,
     )
     .bind(&ids)
@@ -259,7 +279,21 @@ pub async fn release<'e>(
     .bind(reason)
     .fetch_all(db)
     .await?;
-    Ok(released.into_iter().map(|(id,)| id).collect())
+    Ok(released)
+}
+
+/// The current status of each job that exists among `ids`: how the executor
+/// tells whether a write whose answer was lost had committed.
+pub async fn statuses<'e>(
+    db: impl PgExecutor<'e>,
+    ids: &[i64],
+) -> Result<HashMap<i64, JobStatus>, QueueError> {
+    let rows: Vec<(i64, JobStatus)> =
+        sqlx::query_as("SELECT id, status FROM almanac.jobs WHERE id = ANY($1)")
+            .bind(ids)
+            .fetch_all(db)
+            .await?;
+    Ok(rows.into_iter().collect())
 }
 
 /// What one reaper batch did.

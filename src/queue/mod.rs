@@ -11,8 +11,13 @@
 //!  |  (operator)|                  |       used up          |  |
 //!  |            `---- fail (retryable, backoff) ------------'  |
 //!  |                 or reaper (lease expired)                 |
+//!  |                 or release (shutdown)                     |
 //!  `------------------------------------ [done] <-- complete --'
 //! ```
+//!
+//! Fail, the reaper and release all bury a job instead when its attempts are
+//! used up (`attempts >= max_attempts`): a claim is an attempt, however it
+//! ended.
 //!
 //! **The fence.** Claiming sets `status = 'running'`, `attempts + 1`, a fresh
 //! random `lease_token` per job and `lease_until`. Every later write by the
@@ -46,7 +51,7 @@ pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
-    Claim, Failure, Fenced, ReapReport,
+    statuses, Claim, Failure, Fenced, ReapReport,
 };
 pub use retention::delete_finished;
 

@@ -2,9 +2,14 @@
 //! writing Rust.
 //!
 //! The command runs under `sh -c` in its own process group, with the payload
-//! JSON on stdin and `ALMANAC_JOB_ID`, `ALMANAC_KIND`, `ALMANAC_ATTEMPT`,
-//! `ALMANAC_IDEMPOTENCY_KEY` (and `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE`
-//! when set) in its environment. Its stdout passes through.
+//! JSON on stdin and a clean environment: only the allow-list [`ALLOWED_ENV`]
+//! (`PATH`, `HOME`, `LANG`, `TZ`) taken from the service's own, the names
+//! given with [`ExecHandler::pass_env`] (`--pass-env NAME`), and the job's
+//! variables `ALMANAC_JOB_ID`, `ALMANAC_KIND`, `ALMANAC_ATTEMPT`,
+//! `ALMANAC_MAX_ATTEMPTS`, `ALMANAC_IDEMPOTENCY_KEY` (and
+//! `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE` when set). The service's
+//! connection strings (`DATABASE_URL`, `ALMANAC_AMQP_URL`, ...) never reach a
+//! command unless named with `--pass-env`. Its stdout passes through.
 //!
 //! | the command | the job |
 //! | --- | --- |
@@ -12,11 +17,16 @@
 //! | exits 65 (`EX_DATAERR`) | dead at once |
 //! | exits otherwise, is killed by a signal, or runs past the timeout | retried with backoff, dead after `max_attempts` |
 //!
-//! The last few KiB of stderr become `last_error`. When the lease is lost, or
-//! the worker gives up on it at shutdown, the whole process group is killed.
+//! **The command ends when its shell ends.** When `sh` exits, whatever it
+//! left in its process group (`sleep 600 &`) is killed with it; so is the
+//! whole group on a timeout, a lost lease or a shutdown past its deadline. A
+//! process that left the group (`setsid`) is out of reach, so stderr is read
+//! for at most [`STDERR_GRACE`] after the shell ended. The last few KiB of
+//! stderr become `last_error`.
 
 use std::fmt;
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,11 +37,16 @@ use super::{Handler, HandlerError, HandlerFuture, JobContext};
 /// The exit status that buries a job at once (sysexits' `EX_DATAERR`).
 pub const EXIT_PERMANENT: i32 = 65;
 const STDERR_TAIL: usize = 4096;
+/// How long stderr is read after the command's process group is gone.
+pub const STDERR_GRACE: Duration = Duration::from_secs(1);
+/// The service's variables every command gets (when they are set).
+pub const ALLOWED_ENV: [&str; 4] = ["PATH", "HOME", "LANG", "TZ"];
 
 #[derive(Debug, Clone)]
 pub struct ExecHandler {
     command: String,
     timeout: Option<Duration>,
+    pass_env: Arc<[String]>,
 }
 
 impl ExecHandler {
@@ -39,6 +54,7 @@ impl ExecHandler {
         ExecHandler {
             command: command.into(),
             timeout: None,
+            pass_env: Arc::new([]),
         }
     }
 
@@ -48,9 +64,26 @@ impl ExecHandler {
         self
     }
 
+    /// Passes these variables of the service's environment on to the
+    /// command, besides [`ALLOWED_ENV`].
+    pub fn pass_env(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.pass_env = names.into_iter().collect();
+        self
+    }
+
     async fn run(self, ctx: JobContext) -> Result<(), HandlerError> {
         let job = &ctx.job;
         let mut command = Command::new("sh");
+        command.env_clear();
+        for name in ALLOWED_ENV
+            .iter()
+            .copied()
+            .chain(self.pass_env.iter().map(String::as_str))
+        {
+            if let Some(value) = std::env::var_os(name) {
+                command.env(name, value);
+            }
+        }
         command
             .arg("-c")
             .arg(&self.command)
@@ -68,10 +101,9 @@ impl ExecHandler {
             ("ALMANAC_LOGICAL_RUN", &job.logical_run),
             ("ALMANAC_SCHEDULE", &job.schedule),
         ] {
-            match value {
-                Some(value) => command.env(name, value),
-                None => command.env_remove(name),
-            };
+            if let Some(value) = value {
+                command.env(name, value);
+            }
         }
         let mut child = command
             .spawn()
@@ -85,19 +117,25 @@ impl ExecHandler {
             let _ = stdin.write_all(&payload).await;
         });
         let mut stderr = child.stderr.take().expect("stderr is piped");
-        let tail = tokio::spawn(async move {
-            let mut tail = Vec::new();
-            let mut buf = [0u8; 8192];
-            while let Ok(n) = stderr.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-                tail.extend_from_slice(&buf[..n]);
-                if tail.len() > STDERR_TAIL {
-                    tail.drain(..tail.len() - STDERR_TAIL);
+        // The tail is shared so that what arrived is kept even when reading
+        // is cut short.
+        let tail = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut reader = tokio::spawn({
+            let tail = tail.clone();
+            async move {
+                let mut buf = [0u8; 8192];
+                while let Ok(n) = stderr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut tail = tail.lock().expect("stderr tail lock");
+                    tail.extend_from_slice(&buf[..n]);
+                    if tail.len() > STDERR_TAIL {
+                        let excess = tail.len() - STDERR_TAIL;
+                        tail.drain(..excess);
+                    }
                 }
             }
-            String::from_utf8_lossy(&tail).trim().to_string()
         });
 
         let timeout = async {
@@ -107,26 +145,31 @@ impl ExecHandler {
             }
         };
         let ended = tokio::select! {
-            status = child.wait() => Ok(status),
+            status = child.wait() => status.map_err(|e| ExecError::Spawn(e.to_string())),
             _ = ctx.cancelled() => Err(ExecError::Cancelled),
             _ = timeout => Err(ExecError::TimedOut(self.timeout.unwrap_or_default())),
         };
-        let status = match ended {
-            Ok(Ok(status)) => status,
-            Ok(Err(e)) => {
-                drop(group);
-                return Err(HandlerError::retry(ExecError::Spawn(e.to_string())));
-            }
-            Err(reason) => {
-                drop(group);
-                let _ = child.wait().await;
-                return Err(HandlerError::retry(reason));
-            }
-        };
-        group.disarm();
+        // The shell is gone or is to go: so is everything in its group.
+        drop(group);
         feed.abort();
-        let stderr = tail.await.unwrap_or_default();
-        classify(status, stderr)
+        if ended.is_err() {
+            let _ = child.wait().await;
+        }
+        if tokio::time::timeout(STDERR_GRACE, &mut reader)
+            .await
+            .is_err()
+        {
+            // A process outside the group still holds the pipe.
+            reader.abort();
+        }
+        let stderr = {
+            let tail = tail.lock().expect("stderr tail lock");
+            String::from_utf8_lossy(&tail).trim().to_string()
+        };
+        match ended {
+            Ok(status) => classify(status, stderr),
+            Err(reason) => Err(HandlerError::retry(reason)),
+        }
     }
 }
 
@@ -152,15 +195,10 @@ impl Handler for ExecHandler {
     }
 }
 
-/// Kills the command's whole process group unless disarmed: `sh -c` may have
-/// children that a kill of `sh` alone would leave running.
+/// Kills the command's whole process group when dropped: `sh -c` may have
+/// children that a kill of `sh` alone would leave running, and a command that
+/// ends leaves nothing behind.
 struct GroupKill(Option<u32>);
-
-impl GroupKill {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
 
 impl Drop for GroupKill {
     fn drop(&mut self) {
@@ -216,6 +254,22 @@ impl fmt::Display for ExecError {
 }
 
 impl std::error::Error for ExecError {}
+
+/// Checks a name given to `--pass-env`: a variable name, not `NAME=value`.
+pub fn parse_env_name(name: &str) -> Result<String, String> {
+    let mut chars = name.chars();
+    let valid = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if valid {
+        Ok(name.to_string())
+    } else {
+        Err(format!(
+            "`{name}` is not an environment variable name; give the name only, e.g. --pass-env API_TOKEN (its value is taken from almanac's environment)"
+        ))
+    }
+}
 
 /// Parses `KIND=COMMAND` as given to `--handler`.
 pub fn parse_handler_spec(spec: &str) -> Result<(String, String), String> {

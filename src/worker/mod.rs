@@ -1,31 +1,24 @@
-//! The worker runtime: claims jobs for its registered kinds, runs their
-//! handlers under heartbeated leases, and records each outcome through the
-//! fence.
+//! The worker runtime: claims jobs for its registered kinds and hands them
+//! to the [`executor`], which runs their handlers under heartbeated leases,
+//! records each outcome through the fence, and drains at shutdown. Broker
+//! consumers use the same executor.
 //!
 //! - **Slots, not batches.** At most `concurrency` handlers run at once; a
 //!   claim asks for `min(free slots, batch_size)` jobs, so a worker never holds
 //!   a lease it has no slot for.
-//! - **Leases stay alive while a handler runs.** One heartbeat loop extends all
-//!   in-flight leases in a single statement every `lease / 3`. A lease that
-//!   could not be extended is lost: the handler's [`JobContext::cancelled`]
-//!   fires and its outcome will not be recorded (the fence refuses it).
 //! - **Wake-ups.** Enqueue and retry `NOTIFY`; the worker `LISTEN`s and claims
 //!   at once. Polling every `poll_interval` is the safety net for lost
 //!   notifications and for jobs whose `run_at` arrives.
-//! - **Outcomes.** Successes are completed in batches (one statement for many
-//!   jobs); failures go through [`crate::queue::fail`] with the handler's delay
-//!   or the configured [`Backoff`]. A panicking handler counts as a retryable
-//!   failure.
-//! - **Shutdown.** When the token is cancelled the worker stops claiming, lets
-//!   running handlers finish within `shutdown_deadline`, then cancels and
-//!   aborts the rest and releases their jobs back to `ready`.
+//! - **Leases, outcomes, shutdown:** see [`executor`]. A failure goes through
+//!   [`crate::queue::fail`] with the handler's delay or the configured
+//!   [`Backoff`]; a panicking handler counts as a retryable failure.
 //! - **Limit.** A crash (the process or runtime gone) records nothing: the
 //!   leases expire and the reaper returns the jobs. Handlers must therefore be
 //!   idempotent; [`JobContext::idempotency_key`] is the key to pass on.
 
 pub mod exec;
+pub mod executor;
 mod runner;
-mod single;
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -39,8 +32,8 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::queue::{Backoff, Failure, Job};
 
-pub use runner::WorkerReport;
-pub use single::{execute_claimed, Executed};
+pub(crate) use executor::Executor;
+pub use executor::{lease_margin, Executed, WorkerReport};
 
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send>>;
@@ -110,8 +103,9 @@ impl JobContext {
         JobContext { job, cancel }
     }
 
-    /// Resolves when the lease is lost or the shutdown deadline has passed:
-    /// the handler should stop, since its outcome can no longer be recorded.
+    /// Resolves when the lease is lost, could not be renewed in time (see
+    /// [`executor`]), or the shutdown deadline has passed: the handler should
+    /// stop. One that does not is dropped a lease margin later.
     pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
         self.cancel.cancelled()
     }

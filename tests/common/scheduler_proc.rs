@@ -33,6 +33,8 @@ impl Proc {
             .arg(dir)
             .args(extra)
             .env("DATABASE_URL", url)
+            // Many tests run at once: none takes the default port 9797.
+            .env("ALMANAC_HTTP_ADDR", "off")
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())

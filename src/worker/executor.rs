@@ -1,0 +1,610 @@
+//! The executor: how a claimed job is run to a recorded outcome, the same way
+//! for a polling [`super::Worker`] and for a broker [`crate::consumer`].
+//!
+//! - **Slots.** At most `concurrency` jobs are in flight; a slot is taken
+//!   before a job is claimed and given back only once its outcome is recorded
+//!   (or given up), so a process never holds more leases than it can serve.
+//! - **One heartbeat loop** renews every lease in flight, outcomes still being
+//!   written included, in one statement every `lease / 3`. A lease the
+//!   database no longer grants is lost: the handler's
+//!   [`super::JobContext::cancelled`] fires.
+//! - **The local lease deadline.** The executor remembers when the last
+//!   successful renewal of each lease was *sent* (the claim counts as the
+//!   first). Once `sent + lease - margin` passes without a newer renewal, it
+//!   cancels the handler itself, whatever the database is doing: cut off,
+//!   frozen or slow. The margin is **a fifth of the lease** (6 s of the
+//!   default 30 s), because:
+//!   - the database computed `lease_until` on receipt, so it is never earlier
+//!     than `sent + lease` (local time is the monotonic clock, whose rate
+//!     error is parts per million), and the handler is cancelled with a fifth
+//!     of the lease still left on the database's clock: time for a command's
+//!     process group to be killed, or a Rust handler to return, before the
+//!     reaper can even see the lease expire;
+//!   - a handler that ignores cancellation is dropped (abandoned, its future
+//!     no longer polled; a command is killed) one margin later, at
+//!     `sent + lease`, the earliest instant the lease can expire;
+//!   - with renewals every third of the lease, two renewals in a row (at a
+//!     third and at two thirds) can fail before a handler is cancelled, so a
+//!     single lost heartbeat never stops a healthy job.
+//! - **Outcomes survive blips.** Successes are completed in batches (one
+//!   statement for many jobs), shutdown releases likewise, failures one by
+//!   one. A write that fails or gets no answer within `lease / 3` is retried,
+//!   paced by [`Retry`], with the same lease token while the job stays in the
+//!   heartbeat set, until the job's local lease deadline. Only then is the
+//!   outcome given up and counted as a lost lease. A write that failed in
+//!   transit may have committed: when its retry finds the lease gone, the
+//!   job's status decides whether it was ours (e.g. `done` after a complete).
+//! - **Shutdown.** [`Executor::shutdown`]: take no more jobs, let running
+//!   handlers finish within `shutdown_deadline`, then cancel them; those that
+//!   still run a second later (or a margin, if shorter) are dropped. Jobs
+//!   whose handlers were dropped or failed with a retryable error after the
+//!   deadline are released: `ready` again at once, or `dead` when their
+//!   attempts are used up. Outcomes still being written get their retries
+//!   (bounded by their lease deadline) before the executor stops.
+//! - **Limit.** A handler future that is dropped stops being polled, but
+//!   threads or tasks it spawned itself are not stopped. A database outage
+//!   longer than the lease loses the outcome: the reaper takes the job back
+//!   and it runs again (handlers must be idempotent). A process that dies
+//!   records nothing; its leases expire.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{sleep_until, Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+mod record;
+
+use record::{record, Outcome, Write};
+
+use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
+use crate::metrics;
+use crate::queue::{self, Job, JobStatus, QueueError};
+
+/// How long before the lease may run out the executor cancels a handler
+/// whose lease it could not renew; see the module doc for why a fifth.
+pub fn lease_margin(lease: Duration) -> Duration {
+    lease / 5
+}
+
+/// How a claimed job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executed {
+    Completed,
+    /// Failed; `ready` again after its backoff.
+    Retried,
+    /// Failed for good, or released with its attempts used up.
+    Dead,
+    /// The lease was lost (or could not be kept) before the outcome was recorded.
+    Lost,
+    /// Given back to `ready` at shutdown.
+    Released,
+}
+
+/// What a worker (or a consumer's executions) did before it stopped.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerReport {
+    pub completed: u64,
+    pub retried: u64,
+    pub dead: u64,
+    /// Outcomes the fence refused because the lease was lost, or that could
+    /// not be recorded before the local lease deadline.
+    pub lost: u64,
+    /// Jobs given back to `ready` at shutdown.
+    pub released: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    completed: AtomicU64,
+    retried: AtomicU64,
+    dead: AtomicU64,
+    lost: AtomicU64,
+    released: AtomicU64,
+}
+
+impl Counters {
+    fn report(&self) -> WorkerReport {
+        WorkerReport {
+            completed: self.completed.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead: self.dead.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A job between claim and recorded outcome.
+struct Flight {
+    token: Uuid,
+    kind: String,
+    attempt: i32,
+    cancel: CancellationToken,
+    /// When the last successful renewal (or the claim) was sent.
+    renewed: Instant,
+    /// When the handler was handed the job.
+    started: Instant,
+    reply: Option<oneshot::Sender<Executed>>,
+    /// Freed when the flight is settled.
+    _slot: OwnedSemaphorePermit,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Unanswered {
+    #[error(transparent)]
+    Db(#[from] QueueError),
+    #[error("no answer from the database within {0:?}")]
+    TimedOut(Duration),
+}
+
+async fn bounded<T>(
+    within: Duration,
+    op: impl Future<Output = Result<T, QueueError>>,
+) -> Result<T, Unanswered> {
+    match tokio::time::timeout(within, op).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(Unanswered::TimedOut(within)),
+    }
+}
+
+struct Inner {
+    pool: PgPool,
+    config: WorkerConfig,
+    margin: Duration,
+    slots: Arc<Semaphore>,
+    flights: Mutex<HashMap<i64, Flight>>,
+    counters: Counters,
+    /// The shutdown deadline passed: handlers are cancelled and a retryable
+    /// failure releases the job instead of scheduling a retry.
+    giving_up: CancellationToken,
+    /// The grace after that passed too: handlers still running are dropped.
+    kill: CancellationToken,
+}
+
+struct State {
+    closed: bool,
+    tasks: JoinSet<()>,
+    outcomes: Option<mpsc::UnboundedSender<Outcome>>,
+    recorder: Option<JoinHandle<()>>,
+    heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
+}
+
+/// Dropped with the last handle (say, an embedding application's timeout
+/// dropped `Worker::run`): the job tasks in the `JoinSet` are aborted, so
+/// their handlers are dropped (commands killed), and the heartbeat stops, so
+/// no lease is renewed for a handler that no longer exists; the leases
+/// expire and the reaper takes the jobs back.
+impl Drop for State {
+    fn drop(&mut self) {
+        if let Some((_, stop)) = &self.heartbeat {
+            stop.cancel();
+        }
+    }
+}
+
+/// Runs claimed jobs; cheap to clone (one executor, many handles).
+#[derive(Clone)]
+pub(crate) struct Executor {
+    inner: Arc<Inner>,
+    state: Arc<Mutex<State>>,
+}
+
+impl Executor {
+    /// Starts the heartbeat loop and the outcome recorder.
+    pub fn start(pool: PgPool, config: WorkerConfig) -> Executor {
+        let inner = Arc::new(Inner {
+            pool,
+            margin: lease_margin(config.lease),
+            slots: Arc::new(Semaphore::new(config.concurrency)),
+            config,
+            flights: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            giving_up: CancellationToken::new(),
+            kill: CancellationToken::new(),
+        });
+        let (outcomes, rx) = mpsc::unbounded_channel();
+        let recorder = tokio::spawn(record(inner.clone(), rx));
+        let stop = CancellationToken::new();
+        let heartbeat = tokio::spawn(heartbeat(inner.clone(), stop.clone()));
+        Executor {
+            inner,
+            state: Arc::new(Mutex::new(State {
+                closed: false,
+                tasks: JoinSet::new(),
+                outcomes: Some(outcomes),
+                recorder: Some(recorder),
+                heartbeat: Some((heartbeat, stop)),
+            })),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("executor state lock")
+    }
+
+    pub fn free_slots(&self) -> usize {
+        self.inner.slots.available_permits()
+    }
+
+    /// A free slot now, if there is one.
+    pub fn try_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.inner.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// Waits for a free slot.
+    pub async fn slot(&self) -> OwnedSemaphorePermit {
+        self.inner
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the slot semaphore is never closed")
+    }
+
+    /// Runs `job` (claimed by a statement sent at `sent`) in `slot`. The
+    /// receiver tells how it ended. After [`Executor::shutdown`] began, the
+    /// job is handed back unrun: release it with [`Executor::release_unstarted`].
+    pub fn spawn(
+        &self,
+        job: Job,
+        sent: Instant,
+        handler: Arc<dyn Handler>,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<oneshot::Receiver<Executed>, Box<Job>> {
+        let mut state = self.state();
+        let Some(outcomes) = state.outcomes.clone().filter(|_| !state.closed) else {
+            return Err(Box::new(job));
+        };
+        let token = job.lease_token.expect("a claimed job holds a lease");
+        let cancel = CancellationToken::new();
+        let (reply, rx) = oneshot::channel();
+        let displaced = self.inner.flights().insert(
+            job.id,
+            Flight {
+                token,
+                kind: job.kind.clone(),
+                attempt: job.attempts,
+                cancel: cancel.clone(),
+                renewed: sent,
+                started: Instant::now(),
+                reply: Some(reply),
+                _slot: slot,
+            },
+        );
+        if let Some(mut stale) = displaced {
+            // A flight of an earlier claim of this job, not settled yet: its
+            // lease is gone (the job was claimed again), so is its outcome.
+            stale.cancel.cancel();
+            self.inner.count(
+                job.id,
+                &stale.kind,
+                stale.attempt,
+                Executed::Lost,
+                Some("the job was claimed again before this attempt ended"),
+            );
+            if let Some(reply) = stale.reply.take() {
+                let _ = reply.send(Executed::Lost);
+            }
+        }
+        while state.tasks.try_join_next().is_some() {}
+        state.tasks.spawn(execute(
+            self.inner.clone(),
+            job,
+            token,
+            cancel,
+            handler,
+            outcomes,
+        ));
+        Ok(rx)
+    }
+
+    /// Releases a job claimed while the executor was shutting down.
+    pub async fn release_unstarted(&self, job: Box<Job>) -> Executed {
+        let (id, kind, attempt) = (job.id, job.kind.clone(), job.attempts);
+        let token = job.lease_token.expect("a claimed job holds a lease");
+        let released = bounded(
+            self.inner.config.lease / 3,
+            queue::release(
+                &self.inner.pool,
+                &[(id, token)],
+                "released at shutdown before the handler started",
+            ),
+        )
+        .await;
+        let executed = match released.as_deref() {
+            Ok([(_, JobStatus::Dead)]) => Executed::Dead,
+            Ok([_]) => Executed::Released,
+            Ok(_) => Executed::Lost,
+            Err(err) => {
+                warn!(job_id = id, %err, "could not release a job claimed during shutdown; its lease will expire");
+                Executed::Lost
+            }
+        };
+        self.inner.count(id, &kind, attempt, executed, None);
+        executed
+    }
+
+    /// What this executor did so far.
+    pub fn report(&self) -> WorkerReport {
+        self.inner.counters.report()
+    }
+
+    /// Stops as the module doc says; a second call only reports.
+    pub async fn shutdown(&self) -> WorkerReport {
+        let (mut tasks, recorder, heartbeat) = {
+            let mut state = self.state();
+            state.closed = true;
+            // Running tasks hold their own senders; the channel closes when
+            // the last of them has sent its outcome.
+            state.outcomes = None;
+            (
+                std::mem::take(&mut state.tasks),
+                state.recorder.take(),
+                state.heartbeat.take(),
+            )
+        };
+        // Should this future be dropped half-way, the heartbeat stops with
+        // it (and the tasks, aborted with their JoinSet).
+        let heartbeat = heartbeat.map(|(handle, stop)| (handle, stop.drop_guard()));
+        let deadline = self.inner.config.shutdown_deadline;
+        if !tasks.is_empty() {
+            info!(
+                running = tasks.len(),
+                deadline_ms = deadline.as_millis() as u64,
+                "stopping: waiting for running handlers"
+            );
+            if !wait_all(&mut tasks, deadline).await {
+                warn!(
+                    running = tasks.len(),
+                    "shutdown deadline passed; cancelling handlers"
+                );
+                self.inner.giving_up.cancel();
+                for flight in self.inner.flights().values() {
+                    flight.cancel.cancel();
+                }
+                let grace = Duration::from_secs(1).min(deadline).min(self.inner.margin);
+                if !wait_all(&mut tasks, grace).await {
+                    self.inner.kill.cancel();
+                    while tasks.join_next().await.is_some() {}
+                }
+            }
+        }
+        if let Some(recorder) = recorder {
+            let _ = recorder.await;
+        }
+        if let Some((heartbeat, stop)) = heartbeat {
+            drop(stop);
+            let _ = heartbeat.await;
+        }
+        self.report()
+    }
+}
+
+async fn wait_all(tasks: &mut JoinSet<()>, within: Duration) -> bool {
+    tokio::time::timeout(within, async { while tasks.join_next().await.is_some() {} })
+        .await
+        .is_ok()
+}
+
+impl Inner {
+    fn flights(&self) -> MutexGuard<'_, HashMap<i64, Flight>> {
+        self.flights.lock().expect("flights lock")
+    }
+
+    /// When the handler of `id` under `token` must be cancelled unless its
+    /// lease is renewed (now, if that flight is gone).
+    fn deadline(&self, id: i64, token: Uuid) -> Instant {
+        let renewed = self
+            .flights()
+            .get(&id)
+            .filter(|f| f.token == token)
+            .map(|f| f.renewed);
+        renewed.map_or_else(Instant::now, |at| {
+            at + self.config.lease.saturating_sub(self.margin)
+        })
+    }
+
+    /// The one place an outcome is counted and logged.
+    fn count(&self, id: i64, kind: &str, attempt: i32, executed: Executed, detail: Option<&str>) {
+        let c = &self.counters;
+        let detail = detail.unwrap_or("");
+        match executed {
+            Executed::Completed => {
+                c.completed.fetch_add(1, Ordering::Relaxed);
+                debug!(job_id = id, kind, attempt, "job done");
+            }
+            Executed::Retried => {
+                c.retried.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    error = detail,
+                    "job failed; will retry"
+                );
+            }
+            Executed::Dead => {
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    error = detail,
+                    "job failed for good; now dead"
+                );
+            }
+            Executed::Lost => {
+                c.lost.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    reason = detail,
+                    "lease lost before the outcome was recorded; the job may run again"
+                );
+            }
+            Executed::Released => {
+                c.released.fetch_add(1, Ordering::Relaxed);
+                info!(job_id = id, kind, attempt, "job released back to ready");
+            }
+        }
+    }
+
+    /// Ends a flight: counts its outcome, tells whoever waits, frees its slot.
+    fn settle(&self, id: i64, token: Uuid, executed: Executed, detail: Option<&str>) {
+        let removed = {
+            let mut flights = self.flights();
+            match flights.get(&id) {
+                Some(flight) if flight.token == token => flights.remove(&id),
+                _ => None,
+            }
+        };
+        let Some(mut flight) = removed else {
+            return;
+        };
+        self.count(id, &flight.kind, flight.attempt, executed, detail);
+        let counted = match executed {
+            Executed::Completed => Some(metrics::Outcome::Completed),
+            Executed::Retried => Some(metrics::Outcome::Retried),
+            Executed::Dead => Some(metrics::Outcome::Dead),
+            Executed::Lost => Some(metrics::Outcome::LeaseLost),
+            Executed::Released => None,
+        };
+        if let Some(counted) = counted {
+            metrics::record_outcome(&flight.kind, counted, flight.started.elapsed());
+        }
+        if let Some(reply) = flight.reply.take() {
+            let _ = reply.send(executed);
+        }
+    }
+}
+
+/// Runs one handler under the local lease deadline and sends its outcome.
+async fn execute(
+    inner: Arc<Inner>,
+    job: Job,
+    token: Uuid,
+    cancel: CancellationToken,
+    handler: Arc<dyn Handler>,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+) {
+    let (id, attempt) = (job.id, job.attempts);
+    debug!(job_id = id, kind = %job.kind, attempt, "running");
+    let waited = (chrono::Utc::now() - job.run_at)
+        .to_std()
+        .unwrap_or_default();
+    metrics::record_started(&job.kind, waited);
+    let work = invoke(handler.as_ref(), JobContext::new(job, cancel.clone()));
+    tokio::pin!(work);
+    // Set once the handler is cancelled: when it is dropped if still running.
+    let mut abandon_at: Option<Instant> = None;
+    let result = loop {
+        let wake = abandon_at.unwrap_or_else(|| inner.deadline(id, token));
+        tokio::select! {
+            result = &mut work => break Some(result),
+            _ = inner.kill.cancelled() => break None,
+            _ = cancel.cancelled(), if abandon_at.is_none() => {
+                abandon_at = Some(Instant::now() + inner.margin);
+            }
+            _ = sleep_until(wake) => {
+                if abandon_at.is_some() {
+                    break None;
+                }
+                if inner.deadline(id, token) > wake {
+                    continue;
+                }
+                warn!(
+                    job_id = id,
+                    attempt,
+                    margin_ms = inner.margin.as_millis() as u64,
+                    "lease not renewed in time; cancelling the handler before the lease can run out"
+                );
+                cancel.cancel();
+            }
+        }
+    };
+    let write = match result {
+        None if inner.giving_up.is_cancelled() => Write::Release(
+            "released at shutdown: the handler did not finish within the shutdown deadline".into(),
+        ),
+        None => {
+            inner.settle(
+                id,
+                token,
+                Executed::Lost,
+                Some("the handler ignored cancellation and was dropped at the end of its lease"),
+            );
+            return;
+        }
+        Some(Ok(())) => Write::Complete,
+        Some(Err(err @ HandlerError::Retry { .. })) if inner.giving_up.is_cancelled() => {
+            Write::Release(format!(
+                "released at shutdown before the handler finished: {}",
+                err.chain()
+            ))
+        }
+        Some(Err(err)) => Write::Fail(failure_of(&err, attempt, &inner.config.backoff)),
+    };
+    let _ = outcomes.send(Outcome {
+        id,
+        token,
+        write,
+        ambiguous: false,
+    });
+}
+
+/// Renews every lease in flight every third of the lease; cancels handlers
+/// whose lease the database no longer grants.
+async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
+    let every = inner.config.lease / 3;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let leases: Vec<(i64, Uuid)> = inner
+            .flights()
+            .iter()
+            .map(|(id, f)| (*id, f.token))
+            .collect();
+        if leases.is_empty() {
+            continue;
+        }
+        let sent = Instant::now();
+        let renewed = tokio::select! {
+            _ = stop.cancelled() => return,
+            renewed = bounded(every, queue::heartbeat_many(&inner.pool, &leases, inner.config.lease)) => renewed,
+        };
+        let held: HashSet<i64> = match renewed {
+            Ok(held) => held.into_iter().collect(),
+            Err(err) => {
+                warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
+                continue;
+            }
+        };
+        let mut flights = inner.flights();
+        for (id, token) in &leases {
+            // Only flights still holding this lease (not settled meanwhile).
+            let Some(flight) = flights.get_mut(id).filter(|f| f.token == *token) else {
+                continue;
+            };
+            if held.contains(id) {
+                flight.renewed = flight.renewed.max(sent);
+            } else if !flight.cancel.is_cancelled() {
+                warn!(job_id = id, "lease lost; cancelling the handler");
+                flight.cancel.cancel();
+            }
+        }
+    }
+}

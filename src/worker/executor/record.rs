@@ -1,0 +1,248 @@
+//! The outcome recorder: one task that writes every outcome through the
+//! fence, completions and releases in batches, retried through blips with the
+//! same lease token until each job's local lease deadline (see the parent
+//! module's doc).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::{sleep, Instant};
+use tracing::{error, warn};
+use uuid::Uuid;
+
+use super::{bounded, Executed, Inner, Unanswered};
+use crate::queue::{self, Failure, Fenced, JobStatus};
+use crate::retry::Retry;
+
+pub(super) enum Write {
+    Complete,
+    Fail(Failure),
+    Release(String),
+}
+
+pub(super) struct Outcome {
+    pub(super) id: i64,
+    pub(super) token: Uuid,
+    pub(super) write: Write,
+    /// An earlier try failed in transit: it may have committed.
+    pub(super) ambiguous: bool,
+}
+
+/// Records outcomes: batches, retried through blips until each job's local
+/// lease deadline.
+pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Outcome>) {
+    const MAX_BATCH: usize = 512;
+    let mut pending = Vec::with_capacity(MAX_BATCH);
+    let mut open = true;
+    let mut retry = Retry::new(
+        Duration::from_millis(50),
+        (inner.config.lease / 3).max(Duration::from_millis(50)),
+    );
+    loop {
+        if pending.is_empty() && (!open || rx.recv_many(&mut pending, MAX_BATCH).await == 0) {
+            return;
+        }
+        inner.give_up_expired(&mut pending);
+        if pending.is_empty() {
+            continue;
+        }
+        inner.write(&mut pending).await;
+        if pending.is_empty() {
+            retry.succeeded();
+            continue;
+        }
+        let now = Instant::now();
+        let earliest = pending
+            .iter()
+            .map(|o| inner.deadline(o.id, o.token))
+            .min()
+            .unwrap_or(now);
+        let pause = retry.failed().min(earliest.saturating_duration_since(now));
+        if open {
+            tokio::select! {
+                _ = sleep(pause) => {}
+                received = rx.recv_many(&mut pending, MAX_BATCH) => open = received > 0,
+            }
+        } else {
+            sleep(pause).await;
+        }
+    }
+}
+
+impl Inner {
+    /// Gives up outcomes whose local lease deadline has passed.
+    fn give_up_expired(&self, pending: &mut Vec<Outcome>) {
+        let now = Instant::now();
+        pending.retain(|o| {
+            if self.deadline(o.id, o.token) > now {
+                return true;
+            }
+            error!(
+                job_id = o.id,
+                "could not record the outcome before the local lease deadline; giving it up"
+            );
+            self.settle(
+                o.id,
+                o.token,
+                Executed::Lost,
+                Some("the outcome could not be recorded before the local lease deadline"),
+            );
+            false
+        });
+    }
+
+    /// One try at every pending write; what could not be written stays pending.
+    async fn write(&self, pending: &mut Vec<Outcome>) {
+        let within = self.config.lease / 3;
+        let batch = std::mem::take(pending);
+        let (completes, rest): (Vec<Outcome>, Vec<Outcome>) = batch
+            .into_iter()
+            .partition(|o| matches!(o.write, Write::Complete));
+        let (releases, fails): (Vec<Outcome>, Vec<Outcome>) = rest
+            .into_iter()
+            .partition(|o| matches!(o.write, Write::Release(_)));
+        let mut unsure = Vec::new();
+        // After one write went unanswered the rest wait for the next round
+        // (untried, so not ambiguous) instead of each waiting out a timeout.
+        let mut reachable = true;
+
+        if !completes.is_empty() {
+            let leases: Vec<(i64, Uuid)> = completes.iter().map(|o| (o.id, o.token)).collect();
+            match bounded(within, queue::complete_many(&self.pool, &leases)).await {
+                Ok(held) => {
+                    let held: HashSet<i64> = held.into_iter().collect();
+                    for o in completes {
+                        if held.contains(&o.id) {
+                            self.settle(o.id, o.token, Executed::Completed, None);
+                        } else {
+                            unsure.push(o);
+                        }
+                    }
+                }
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("complete", &err, completes, pending);
+                }
+            }
+        }
+
+        if !reachable {
+            pending.extend(releases);
+        } else if !releases.is_empty() {
+            let leases: Vec<(i64, Uuid)> = releases.iter().map(|o| (o.id, o.token)).collect();
+            // One reason per statement: the first one's.
+            let reason = match &releases[0].write {
+                Write::Release(reason) => reason.clone(),
+                _ => unreachable!("partitioned on Release"),
+            };
+            match bounded(within, queue::release(&self.pool, &leases, &reason)).await {
+                Ok(rows) => {
+                    let rows: HashMap<i64, JobStatus> = rows.into_iter().collect();
+                    for o in releases {
+                        match rows.get(&o.id) {
+                            Some(JobStatus::Dead) => self.settle(
+                                o.id,
+                                o.token,
+                                Executed::Dead,
+                                Some("released at shutdown with its attempts used up"),
+                            ),
+                            Some(_) => self.settle(o.id, o.token, Executed::Released, None),
+                            None => unsure.push(o),
+                        }
+                    }
+                }
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("release", &err, releases, pending);
+                }
+            }
+        }
+
+        for o in fails {
+            if !reachable {
+                pending.push(o);
+                continue;
+            }
+            let Write::Fail(failure) = &o.write else {
+                unreachable!("partitioned on Fail")
+            };
+            match bounded(within, queue::fail(&self.pool, o.id, o.token, failure)).await {
+                Ok(Fenced::Held(status)) => {
+                    let executed = if status == JobStatus::Dead {
+                        Executed::Dead
+                    } else {
+                        Executed::Retried
+                    };
+                    self.settle(o.id, o.token, executed, Some(failure.error()));
+                }
+                Ok(Fenced::Lost) => unsure.push(o),
+                Err(err) => {
+                    reachable = false;
+                    self.unwritten("fail", &err, vec![o], pending);
+                }
+            }
+        }
+
+        self.settle_unsure(unsure).await;
+    }
+
+    fn unwritten(
+        &self,
+        what: &str,
+        err: &Unanswered,
+        outcomes: Vec<Outcome>,
+        pending: &mut Vec<Outcome>,
+    ) {
+        warn!(
+            %err,
+            jobs = outcomes.len(),
+            "recording outcomes ({what}) failed; retrying with the same lease until the local lease deadline"
+        );
+        pending.extend(outcomes.into_iter().map(|o| Outcome {
+            ambiguous: true,
+            ..o
+        }));
+    }
+
+    /// Outcomes the fence refused. If an earlier try failed in transit it may
+    /// have been ours that committed: within the lease nobody else can have
+    /// taken the job, so its status tells.
+    async fn settle_unsure(&self, unsure: Vec<Outcome>) {
+        if unsure.is_empty() {
+            return;
+        }
+        let ambiguous: Vec<i64> = unsure
+            .iter()
+            .filter(|o| o.ambiguous)
+            .map(|o| o.id)
+            .collect();
+        let statuses = if ambiguous.is_empty() {
+            HashMap::new()
+        } else {
+            bounded(
+                self.config.lease / 3,
+                queue::statuses(&self.pool, &ambiguous),
+            )
+            .await
+            .unwrap_or_default()
+        };
+        for o in unsure {
+            let status = statuses.get(&o.id).copied().filter(|_| o.ambiguous);
+            let executed = match (&o.write, status) {
+                (Write::Complete, Some(JobStatus::Done)) => Executed::Completed,
+                (Write::Release(_), Some(JobStatus::Ready)) => Executed::Released,
+                (Write::Release(_) | Write::Fail(_), Some(JobStatus::Dead)) => Executed::Dead,
+                (Write::Fail(_), Some(_)) => Executed::Retried,
+                _ => Executed::Lost,
+            };
+            let detail = match (&o.write, executed) {
+                (_, Executed::Lost) => "the fence refused the outcome: the lease was taken back",
+                (Write::Fail(failure), _) => failure.error(),
+                _ => "recorded by a try whose answer was lost",
+            };
+            self.settle(o.id, o.token, executed, Some(detail));
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! Broker consumers under faults, one body per behaviour run against Kafka
+//! and RabbitMQ: `almanac consume` stopped with SIGTERM mid-job, as a
+//! process (a job that finishes within the shutdown deadline is done, one
+//! that does not is released; neither waits for its lease, a minute here, to
+//! expire); and a consumer whose database path freezes as its handlers
+//! return.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use almanac::consumer::{Consumer, ConsumerConfig};
+use almanac::queue::{self, JobStatus, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::worker::{JobContext, WorkerConfig};
+use common::brokers::{self, unique};
+use common::{count, eventually};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(unique(name));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn consume(url: &str, sink: SinkKind, destination: &str, dir: &Path) -> Child {
+    let dir = dir.display();
+    let finishes = format!(
+        "finishes=touch {dir}/started-finishes; while [ ! -f {dir}/go ]; do sleep 0.05; done"
+    );
+    let hangs = format!("hangs=touch {dir}/started-hangs; sleep 600");
+    let mut args = vec![
+        "consume".to_string(),
+        "--sink".into(),
+        sink.to_string(),
+        "--destination".into(),
+        destination.into(),
+        "--handler".into(),
+        finishes,
+        "--handler".into(),
+        hangs,
+        "--lease".into(),
+        "60s".into(),
+        "--shutdown-deadline".into(),
+        "2s".into(),
+    ];
+    match sink {
+        SinkKind::Kafka => args.extend(["--kafka-brokers".into(), brokers::kafka_brokers()]),
+        SinkKind::Rabbitmq => args.extend(["--amqp-url".into(), brokers::amqp_url()]),
+    }
+    Command::new(env!("CARGO_BIN_EXE_almanac"))
+        .args(&args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .env_remove("ALMANAC_CONFIG")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Sends SIGTERM; returns the exit code and how long the exit took.
+async fn terminate(mut child: Child, then: impl FnOnce()) -> (Option<i32>, Duration) {
+    // SAFETY: signals a child process this test spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let sent = Instant::now();
+    then();
+    let mut code = None;
+    eventually("the consumer to exit", Duration::from_secs(60), || {
+        let exited = child.try_wait().unwrap();
+        if let Some(status) = exited {
+            code = Some(status.code());
+        }
+        async move { exited.is_some() }
+    })
+    .await;
+    (code.flatten(), sent.elapsed())
+}
+
+async fn enqueue_and_publish(pool: &PgPool, kind: &str, sink: SinkKind) -> i64 {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new(kind))
+        .await
+        .unwrap()
+        .id();
+    let publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(report.published, 1);
+    id
+}
+
+async fn a_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool, sink: SinkKind) {
+    let url = common::database_url(&pool);
+    let destination = unique("sigterm");
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    for kind in ["finishes", "hangs"] {
+        routes::set(
+            &mut conn,
+            kind,
+            RouteMode::Broker,
+            Some(sink),
+            Some(&destination),
+        )
+        .await
+        .unwrap();
+    }
+    let dir = scratch("sigterm");
+    let started = |kind: &str| dir.join(format!("started-{kind}"));
+
+    // A job that ends within the deadline once told to: done, acked.
+    let finishes = enqueue_and_publish(&pool, "finishes", sink).await;
+    let consumer = consume(&url, sink, &destination, &dir);
+    eventually("the job to start", Duration::from_secs(60), || async {
+        started("finishes").exists()
+    })
+    .await;
+    let (code, took) = terminate(consumer, || std::fs::write(dir.join("go"), "").unwrap()).await;
+    assert_eq!(code, Some(0));
+    let job = queue::get(&pool, finishes).await.unwrap();
+    assert_eq!((job.status, job.attempts), (JobStatus::Done, 1));
+    assert!(took < Duration::from_secs(30), "stopping took {took:?}");
+
+    // A job that does not end: killed at the deadline and released at once.
+    let hangs = enqueue_and_publish(&pool, "hangs", sink).await;
+    let consumer = consume(&url, sink, &destination, &dir);
+    eventually("the job to start", Duration::from_secs(60), || async {
+        started("hangs").exists()
+    })
+    .await;
+    let (code, took) = terminate(consumer, || {}).await;
+    assert_eq!(code, Some(0));
+    let job = queue::get(&pool, hangs).await.unwrap();
+    assert_eq!(
+        (job.status, job.attempts, job.lease_token),
+        (JobStatus::Ready, 1, None),
+        "released, not left to a lease expiry: {job:?}"
+    );
+    assert!(
+        job.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("released at shutdown"),
+        "{:?}",
+        job.last_error
+    );
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
+        "the deadline is 2 s and the lease a minute; stopping took {took:?}"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool) {
+    a_consumer_stopped_mid_job_finishes_or_releases_it(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool) {
+    a_consumer_stopped_mid_job_finishes_or_releases_it(pool, SinkKind::Rabbitmq).await;
+}
+
+/// A consumer whose database path freezes for two seconds just as its
+/// handlers return: every outcome is recorded (retried with the same lease)
+/// before the message is acked, and each job runs once.
+async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool, sink: SinkKind) {
+    common::create_exec_log(&pool).await;
+    const JOBS: usize = 5;
+    let destination = unique("blip");
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    let jobs: Vec<NewJob> = (0..JOBS)
+        .map(|i| NewJob::new("task").idempotency_key(format!("task:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config(),
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, JOBS as u64);
+
+    let proxy = common::proxy::Proxy::postgres().await;
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(6)
+        .connect(&proxy.postgres_url(&common::database_url(&pool)))
+        .await
+        .unwrap();
+    let log = common::log_pool(&pool, 4).await;
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let handler_gate = gate.clone();
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.clone(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: JOBS,
+            // Renewals every 3 s; the local deadline leaves > 4 s after a freeze.
+            lease: Duration::from_secs(9),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        },
+    };
+    let consumer = Consumer::new(proxied, brokers::sinks(), config).register(
+        "task",
+        move |ctx: JobContext| {
+            let (log, gate) = (log.clone(), handler_gate.clone());
+            async move {
+                common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+                gate.acquire().await.unwrap().forget();
+                Ok(())
+            }
+        },
+    );
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(stop.clone()));
+    eventually("a handler to start", Duration::from_secs(60), || async {
+        count(&pool, "SELECT count(*) FROM exec_log").await >= 1
+    })
+    .await;
+    proxy.freeze();
+    gate.add_permits(JOBS);
+    // The blip itself: two seconds without a byte through.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.thaw();
+    eventually("every job to be done", Duration::from_secs(60), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == JOBS as i64
+    })
+    .await;
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM exec_log").await,
+        JOBS as i64
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        JOBS as i64
+    );
+    assert_eq!(
+        (report.jobs.completed, report.jobs.lost),
+        (JOBS as u64, 0),
+        "{report:?}"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool) {
+    a_consumer_frozen_as_handlers_return_records_every_outcome(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool) {
+    a_consumer_frozen_as_handlers_return_records_every_outcome(pool, SinkKind::Rabbitmq).await;
+}
