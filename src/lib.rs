@@ -18,10 +18,13 @@
 //! - [`scheduler`]: cron, DST timeline, schedule files, run ledger, leader.
 //! - [`relay`] and [`consumer`]: the outbox relay to Kafka or RabbitMQ, routes,
 //!   and the broker consumers that run jobs through the same fence.
+//! - [`broker`]: sinks, connecting, creating topics and queues, and the typed
+//!   publish error, shared by the relay and the consumers.
 //! - [`redact`]: the one place connection URLs lose their passwords.
 //! - [`retry`]: the one pacing helper for reconnect and retry loops.
 //! - [`supervisor`]: runs background roles under one cancellation token.
 
+pub mod broker;
 pub mod cli;
 pub mod config;
 pub mod consumer;
@@ -29,8 +32,8 @@ pub mod db;
 pub mod maintenance;
 pub mod queue;
 pub mod redact;
-pub mod retry;
 pub mod relay;
+pub mod retry;
 pub mod scheduler;
 pub mod supervisor;
 pub mod worker;

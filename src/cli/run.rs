@@ -3,7 +3,7 @@
 use anyhow::bail;
 use tokio::sync::mpsc;
 
-use super::sinks::SinkFlags;
+use super::sinks::{RelayFlags, SinkFlags};
 use super::{Ctx, SchedulesDir};
 use crate::config::HumanDuration;
 use crate::maintenance::{Reaper, ReaperConfig};
@@ -31,6 +31,8 @@ pub struct Args {
     redrive_after: Option<HumanDuration>,
     #[command(flatten)]
     sinks: SinkFlags,
+    #[command(flatten)]
+    relay: RelayFlags,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
@@ -103,6 +105,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 .map_or(defaults.redrive_after, |d| d.0),
             ..defaults
         };
+        let config = args.relay.apply(config, &sinks)?;
         for sink in sinks.configured() {
             let publisher = Publisher::new(sink, &sinks)?;
             let relay = Relay::new(pool.clone(), publisher, config.clone());

@@ -11,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{Consumer, JOB_ID_HEADER};
-use crate::relay::kafka::{admin, ensure_topic};
-use crate::relay::{SinkError, SinkKind};
+use crate::broker::kafka::{admin, ensure_topic};
+use crate::broker::{SinkError, SinkKind};
 
 pub(super) async fn run(
     consumer: Arc<Consumer>,

@@ -31,8 +31,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::queue::{self, QueueError};
-use crate::relay::{SinkConfig, SinkError, SinkKind};
 use crate::worker::{execute_claimed, Executed, Handler, WorkerConfig};
 
 /// The header carrying the job id.

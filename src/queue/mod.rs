@@ -35,6 +35,7 @@ mod admin;
 mod backoff;
 mod enqueue;
 mod lease;
+pub mod routing;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

@@ -14,6 +14,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
+use tokio::net::TcpStream;
 
 pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -39,6 +40,7 @@ pub fn sinks() -> SinkConfig {
         kafka_partitions: 2,
         kafka_replication: 1,
         ack_timeout: Duration::from_secs(3),
+        ..SinkConfig::default()
     }
 }
 
@@ -52,6 +54,7 @@ pub fn relay_config() -> almanac::relay::RelayConfig {
             max: Duration::from_millis(300),
             jitter: 0.2,
         },
+        in_flight_lease: Duration::from_secs(10),
         ..Default::default()
     }
 }
