@@ -114,7 +114,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let body =
         serde_json::to_vec(&serde_json::json!({"order": 12345, "note": "benchmark payload"}))?;
+    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks.
+    let wanted = std::env::var("ALMANAC_BENCH_SINKS").unwrap_or_else(|_| "kafka,rabbitmq".into());
     for sink in [SinkKind::Kafka, SinkKind::Rabbitmq] {
+        if !wanted.split(',').any(|w| w.trim() == sink.as_str()) {
+            continue;
+        }
         let destination = format!("almanac-bench-{}-{}", sink, std::process::id());
         let kind = format!("bench_{sink}");
         let mut publisher = Publisher::new(sink, &sinks)?;

@@ -17,7 +17,7 @@ fn millis(d: Duration) -> i64 {
 
 /// One outbox row, as claimed: the body is the payload's JSON text, headers
 /// are name/value pairs in name order.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct OutboxRow {
     pub id: i64,
     pub job_id: i64,
@@ -59,26 +59,23 @@ pub async fn claim(
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
-    let mut rows: Vec<OutboxRow> = sqlx::query_as(
+    // `id = ANY(ARRAY(...))` walks the primary key for the picked rows; a
+    // join with a CTE would hash the whole table.
+    let raw: Vec<RawRow> = sqlx::query_as(
         r#"
-        WITH picked AS (
+        UPDATE almanac.outbox AS o
+        SET available_at = now() + $3 * interval '1 millisecond',
+            lease_token = $4,
+            attempts = o.attempts + 1
+        WHERE o.id = ANY(ARRAY(
             SELECT id FROM almanac.outbox
             WHERE sink = $1 AND published_at IS NULL AND failed_at IS NULL
               AND available_at <= now()
             ORDER BY available_at, id
             LIMIT $2
-            FOR UPDATE SKIP LOCKED
-        )
-        UPDATE almanac.outbox AS o
-        SET available_at = now() + $3 * interval '1 millisecond',
-            lease_token = $4,
-            attempts = o.attempts + 1
-        FROM picked
-        WHERE o.id = picked.id
+            FOR UPDATE SKIP LOCKED))
         RETURNING o.id, o.job_id, o.destination, o.msg_key, o.payload::text AS payload,
-            ARRAY(SELECT h.key FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_names,
-            ARRAY(SELECT h.value FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_values,
-            o.attempts
+            o.headers::text AS headers, o.attempts
         "#,
     )
     .bind(sink.as_str())
@@ -87,8 +84,46 @@ pub async fn claim(
     .bind(token)
     .fetch_all(pool)
     .await?;
+    let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
     Ok(Claimed { token, rows })
+}
+
+#[derive(sqlx::FromRow)]
+struct RawRow {
+    id: i64,
+    job_id: i64,
+    destination: String,
+    msg_key: String,
+    payload: String,
+    headers: String,
+    attempts: i32,
+}
+
+impl From<RawRow> for OutboxRow {
+    fn from(raw: RawRow) -> Self {
+        // Header values are strings (write_outbox builds them); anything
+        // else is sent as its JSON text.
+        let map: std::collections::BTreeMap<String, serde_json::Value> =
+            serde_json::from_str(&raw.headers).unwrap_or_default();
+        let (header_names, header_values) = map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .unzip();
+        OutboxRow {
+            id: raw.id,
+            job_id: raw.job_id,
+            destination: raw.destination,
+            msg_key: raw.msg_key,
+            payload: raw.payload,
+            header_names,
+            header_values,
+            attempts: raw.attempts,
+        }
+    }
 }
 
 /// Marks rows of a claim published; returns how many still held the claim.
