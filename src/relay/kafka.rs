@@ -2,7 +2,8 @@
 //! [`crate::broker::kafka::producer`]); the message key is the job's
 //! idempotency key and headers carry job id, kind, attempt and logical run.
 //! A batch is handed to the producer at once (its `linger.ms` groups it into
-//! produce requests) and every delivery report is awaited together. A row
+//! produce requests) and its delivery reports are awaited together, while
+//! the relay hands over the next batch. A row
 //! counts as published only when its delivery report succeeds; a failed or
 //! timed-out delivery is "maybe sent" (a second copy is harmless: consumers
 //! claim through the fence). After failed deliveries the producer is
@@ -12,7 +13,6 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use futures::future::join_all;
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -34,7 +34,11 @@ pub struct KafkaPublisher {
     ack_timeout: Duration,
     max_message_bytes: usize,
     ensured: HashSet<String>,
+    retired: Option<FutureProducer>,
 }
+
+/// A message handed to the broker, resolving with its acknowledgement.
+pub type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
 
 impl KafkaPublisher {
     pub fn new(brokers: String, config: &SinkConfig) -> Result<Self, SinkError> {
@@ -47,6 +51,7 @@ impl KafkaPublisher {
             ack_timeout: config.ack_timeout,
             max_message_bytes: config.max_message_bytes,
             ensured: HashSet::new(),
+            retired: None,
         })
     }
 
@@ -66,10 +71,12 @@ impl KafkaPublisher {
         Ok(())
     }
 
-    /// Publishes `rows` (whose destinations are prepared) and waits for
-    /// every delivery report; one result per row, in order.
-    pub async fn publish(&mut self, rows: &[&OutboxRow]) -> Vec<Result<(), PublishError>> {
-        let mut pending = Vec::with_capacity(rows.len());
+    /// Hands `rows` (whose destinations are prepared) to the producer
+    /// without waiting for the broker; one future per row, in order, that
+    /// resolves with its delivery report. A full local queue waits for room
+    /// (then for that delivery) instead of failing.
+    pub async fn send(&mut self, rows: &[&OutboxRow]) -> Vec<Pending> {
+        let mut pending: Vec<Pending> = Vec::with_capacity(rows.len());
         for row in rows {
             let mut headers = OwnedHeaders::new_with_capacity(row.header_names.len());
             for (key, value) in row.header_names.iter().zip(&row.header_values) {
@@ -82,14 +89,35 @@ impl KafkaPublisher {
                 .key(&row.msg_key)
                 .payload(row.payload.as_bytes())
                 .headers(headers);
-            pending.push(self.enqueue(record));
+            let topic = row.destination.clone();
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push(Box::pin(async move {
+                    match delivery.await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err((error, _))) => Err(classify(&topic, error)),
+                        Err(_) => Err(classify(&topic, KafkaError::Canceled)),
+                    }
+                })),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), record)) => {
+                    let done = self
+                        .producer
+                        .send(record, Timeout::After(self.ack_timeout))
+                        .await
+                        .map(|_| ())
+                        .map_err(|(e, _)| classify(&topic, e));
+                    pending.push(Box::pin(std::future::ready(done)));
+                }
+                Err((error, _)) => {
+                    pending.push(Box::pin(std::future::ready(Err(classify(&topic, error)))))
+                }
+            }
         }
-        let results: Vec<Result<(), PublishError>> = join_all(pending)
-            .await
-            .into_iter()
-            .zip(rows)
-            .map(|(result, row)| result.map_err(|e| classify(&row.destination, e)))
-            .collect();
+        pending
+    }
+
+    /// Bookkeeping after a batch's deliveries settled: a fresh producer
+    /// after retriable failures, topics checked again after unroutable ones.
+    pub fn settle(&mut self, results: &[Result<(), PublishError>]) {
         if results
             .iter()
             .any(|r| matches!(r, Err(PublishError::Retriable { .. })))
@@ -103,50 +131,6 @@ impl KafkaPublisher {
             // Topics may have been deleted behind our back; check them again.
             self.ensured.clear();
         }
-        results
-    }
-
-    /// Hands one record to the producer without waiting for the broker; the
-    /// returned future resolves with its delivery report. A full local queue
-    /// waits for room (up to the ack timeout) instead of failing.
-    fn enqueue<'a>(
-        &'a self,
-        record: FutureRecord<'a, String, [u8]>,
-    ) -> impl std::future::Future<Output = Result<(), KafkaError>> + 'a {
-        let size = record.payload.map_or(0, <[u8]>::len);
-        let queued = if size > self.max_message_bytes {
-            Err(Some(KafkaError::MessageProduction(
-                RDKafkaErrorCode::MessageSizeTooLarge,
-            )))
-        } else {
-            match self.producer.send_result(record) {
-                Ok(delivery) => Ok(Ok(delivery)),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), record)) => {
-                    Ok(Err(record))
-                }
-                Err((error, _)) => Err(Some(error)),
-            }
-        };
-        let timeout = self.ack_timeout;
-        async move {
-            let delivery = match queued {
-                Err(error) => return Err(error.expect("an error")),
-                Ok(Ok(delivery)) => delivery,
-                Ok(Err(record)) => {
-                    return self
-                        .producer
-                        .send(record, Timeout::After(timeout))
-                        .await
-                        .map(|_| ())
-                        .map_err(|(e, _)| e)
-                }
-            };
-            match delivery.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err((error, _))) => Err(error),
-                Err(_) => Err(KafkaError::Canceled),
-            }
-        }
     }
 
     fn recover(&mut self) {
@@ -154,10 +138,10 @@ impl KafkaPublisher {
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             warn!(?code, %reason, "Kafka producer hit a fatal error");
         }
-        // Every delivery of the batch is settled here, so a fresh producer
-        // costs nothing and cannot lose a message in flight.
+        // The old producer stays alive until the next recovery, so a batch
+        // still in flight on it settles (published, or "maybe sent").
         match producer(&self.brokers, self.ack_timeout, self.max_message_bytes) {
-            Ok(fresh) => self.producer = fresh,
+            Ok(fresh) => self.retired = Some(std::mem::replace(&mut self.producer, fresh)),
             Err(err) => warn!(%err, "recreating the Kafka producer failed; will retry"),
         }
     }

@@ -55,7 +55,7 @@ pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
 use crate::queue::{routing, Backoff};
 use crate::retry::Retry;
 pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
-pub use publisher::Publisher;
+pub use publisher::{InFlight, Publisher};
 
 pub const NOTIFY_CHANNEL: &str = "almanac_outbox";
 
@@ -224,60 +224,101 @@ impl Relay {
     }
 
     /// Publishes due rows batch after batch until a batch comes back short
-    /// or has rows to retry: the next batch is claimed while the current one
-    /// is in flight, and each batch is marked while the next goes out.
+    /// or has rows to retry. Pipelined: while one batch awaits its
+    /// acknowledgements the next is claimed and sent, and each batch is
+    /// marked while the following ones go out. At most two batches are
+    /// unacknowledged at a time.
     pub async fn drain(&mut self) -> Result<RelayReport, RelayError> {
-        let sink = self.publisher.sink();
         let mut report = RelayReport::default();
-        let mut next: Option<JoinHandle<Result<Claimed, sqlx::Error>>> =
-            Some(tokio::spawn(self.claim()));
         let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
-        let result = loop {
-            let claimed = match join(next.take().expect("a claim is pending")).await {
-                Ok(claimed) => claimed,
-                Err(e) => break Err(e),
-            };
-            if claimed.rows.is_empty() {
-                break Ok(());
+        let mut outstanding: Option<(Claimed, InFlight)> = None;
+        let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
+        let mut claimed = Some(self.claim().await?);
+        let mut result = Ok(());
+        loop {
+            let mut stop = true;
+            let mut sent = None;
+            if let Some(batch) = claimed.take().filter(|c| !c.rows.is_empty()) {
+                let full = batch.rows.len() as i64 >= self.config.batch_size;
+                let in_flight = self.publisher.send(&batch.rows).await;
+                if full {
+                    next_claim = Some(tokio::spawn(self.claim()));
+                }
+                sent = Some((batch, in_flight));
+                stop = !full;
             }
-            let full = claimed.rows.len() as i64 >= self.config.batch_size;
-            if full {
-                next = Some(tokio::spawn(self.claim()));
-            }
-            let results = self.publisher.publish(&claimed.rows).await;
-            if let Some(previous) = marking.take() {
-                match join(previous).await {
-                    Ok(r) => report += r,
-                    Err(e) => break Err(e),
+            if let Some((batch, in_flight)) = outstanding.take() {
+                match self
+                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .await
+                {
+                    Ok(false) => {}
+                    Ok(true) => stop = true,
+                    Err(e) => {
+                        result = Err(e);
+                        stop = true;
+                    }
                 }
             }
-            if let Some(point) = self.config.failpoint {
-                break Err(RelayError::Failpoint(point));
+            outstanding = sent;
+            if stop {
+                break;
             }
-            let outcomes = self.outcomes(&claimed.rows, results);
-            let retrying = outcomes.iter().any(|o| matches!(o, Outcome::Retry { .. }));
-            marking = Some(tokio::spawn(mark(
-                self.pool.clone(),
-                sink,
-                claimed,
-                outcomes,
-            )));
-            if !full || retrying {
-                break Ok(());
+            match join(next_claim.take().expect("a claim is pending")).await {
+                Ok(batch) => claimed = Some(batch),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
-        };
+        }
+        if let Some((batch, in_flight)) = outstanding.take() {
+            if result.is_ok() {
+                if let Err(e) = self
+                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .await
+                {
+                    result = Err(e);
+                }
+            }
+            // Otherwise its rows go out again when their in-flight lease ends.
+        }
         if let Some(previous) = marking.take() {
             match join(previous).await {
                 Ok(r) => report += r,
-                Err(e) if result.is_ok() => return Err(e),
-                Err(e) => warn!(%sink, %e, "marking a batch failed"),
+                Err(e) if result.is_ok() => result = Err(e),
+                Err(e) => warn!(sink = %self.publisher.sink(), %e, "marking a batch failed"),
             }
         }
-        if let Some(claim) = next {
+        if let Some(claim) = next_claim {
             // Rows claimed ahead go back when their in-flight lease ends.
             claim.abort();
         }
         result.map(|()| report)
+    }
+
+    /// Awaits a sent batch's acknowledgements and starts marking it (after
+    /// the previous mark is done); `true` when some rows are to be retried.
+    async fn finish(
+        &mut self,
+        batch: Claimed,
+        in_flight: InFlight,
+        marking: &mut Option<JoinHandle<Result<RelayReport, sqlx::Error>>>,
+        report: &mut RelayReport,
+    ) -> Result<bool, RelayError> {
+        let results = in_flight.acks().await;
+        self.publisher.settle(&batch.rows, &results);
+        if let Some(point) = self.config.failpoint {
+            return Err(RelayError::Failpoint(point));
+        }
+        let outcomes = self.outcomes(&batch.rows, results);
+        let retrying = outcomes.iter().any(|o| matches!(o, Outcome::Retry { .. }));
+        if let Some(previous) = marking.take() {
+            *report += join(previous).await?;
+        }
+        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
+        *marking = Some(tokio::spawn(mark(pool, sink, batch, outcomes)));
+        Ok(retrying)
     }
 
     /// Gives stranded broker-route jobs a fresh outbox row; returns how many.

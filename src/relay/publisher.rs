@@ -54,38 +54,64 @@ impl Publisher {
     /// Rows over `max_message_bytes` fail [`PublishError::Fatal`] without
     /// being sent.
     pub async fn publish(&mut self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
+        let in_flight = self.send(rows).await;
+        let results = in_flight.acks().await;
+        self.settle(rows, &results);
+        results
+    }
+
+    /// Prepares the destinations and hands `rows` to the broker without
+    /// waiting for acknowledgements: those come with [`InFlight::acks`], and
+    /// another batch may be sent meanwhile. Call [`Publisher::settle`] with
+    /// the results.
+    pub async fn send(&mut self, rows: &[OutboxRow]) -> InFlight {
         let max_message_bytes = self.max_message_bytes;
-        let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; rows.len()];
+        let mut slots: Vec<Option<Pending>> = Vec::with_capacity(rows.len());
+        slots.resize_with(rows.len(), || None);
         let mut prepared: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         let mut to_send = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             if row.payload.len() > max_message_bytes {
-                results[i] = Some(Err(too_large(row, max_message_bytes)));
+                slots[i] = Some(ready(Err(too_large(row, max_message_bytes))));
                 continue;
             }
             if !prepared.contains_key(row.destination.as_str()) {
-                let ready = self.ensure(&row.destination).await;
-                prepared.insert(&row.destination, ready);
+                let result = self.ensure(&row.destination).await;
+                prepared.insert(&row.destination, result);
             }
             match &prepared[row.destination.as_str()] {
                 Ok(()) => to_send.push(i),
-                Err(e) => results[i] = Some(Err(e.clone())),
+                Err(e) => slots[i] = Some(ready(Err(e.clone()))),
             }
         }
         if !to_send.is_empty() {
             let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
             let sent = match &mut self.inner {
-                Inner::Kafka(p) => p.publish(&batch).await,
-                Inner::Rabbit(p) => p.publish(&batch).await,
+                Inner::Kafka(p) => p.send(&batch).await,
+                Inner::Rabbit(p) => p.send(&batch).await,
             };
-            for (i, result) in to_send.into_iter().zip(sent) {
-                results[i] = Some(result);
+            for (i, pending) in to_send.into_iter().zip(sent) {
+                slots[i] = Some(pending);
             }
         }
-        results
-            .into_iter()
-            .map(|r| r.expect("every row has a result"))
-            .collect()
+        InFlight {
+            pending: slots
+                .into_iter()
+                .map(|s| s.expect("every row has a result"))
+                .collect(),
+        }
+    }
+
+    /// The publisher's own bookkeeping once a batch's results are in
+    /// (reconnect, recreate the producer, declare again).
+    pub fn settle(&mut self, rows: &[OutboxRow], results: &[Result<(), PublishError>]) {
+        match &mut self.inner {
+            Inner::Kafka(p) => p.settle(results),
+            Inner::Rabbit(p) => {
+                let rows: Vec<&OutboxRow> = rows.iter().collect();
+                p.settle(&rows, results)
+            }
+        }
     }
 
     /// Waits for anything in flight (Kafka) before shutdown.
@@ -94,6 +120,25 @@ impl Publisher {
             Inner::Kafka(p) => p.flush().await,
             Inner::Rabbit(p) => p.close().await,
         }
+    }
+}
+
+type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
+
+fn ready(result: Result<(), PublishError>) -> Pending {
+    Box::pin(std::future::ready(result))
+}
+
+/// A batch handed to the broker, its acknowledgements still to come.
+pub struct InFlight {
+    pending: Vec<Pending>,
+}
+
+impl InFlight {
+    /// One result per row, in order, once every acknowledgement is in (or
+    /// its deadline passed).
+    pub async fn acks(self) -> Vec<Result<(), PublishError>> {
+        futures::future::join_all(self.pending).await
     }
 }
 

@@ -4,7 +4,7 @@
 //! unroutable message comes back, and an ack that carries a returned message
 //! counts as [`PublishError::Unroutable`]. The whole batch is written to the
 //! channel at once and its publisher confirms are awaited together, under one
-//! deadline (`ack_timeout`). Any channel error drops the connection; the next
+//! deadline (`ack_timeout`), while the relay writes the next batch. Any channel error drops the connection; the next
 //! batch reconnects.
 
 use std::collections::HashSet;
@@ -20,6 +20,9 @@ use tracing::warn;
 use super::OutboxRow;
 use crate::broker::rabbitmq::{connect, declare_destination};
 use crate::broker::{Plain, PublishError, SinkConfig, SinkError};
+
+/// A message handed to the broker, resolving with its acknowledgement.
+pub type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
 
 pub struct RabbitPublisher {
     url: String,
@@ -86,12 +89,18 @@ impl RabbitPublisher {
         Ok(())
     }
 
-    /// Publishes `rows` (whose destinations are prepared) and awaits every
-    /// confirm together; one result per row, in order.
-    pub async fn publish(&mut self, rows: &[&OutboxRow]) -> Vec<Result<(), PublishError>> {
+    /// Writes `rows` (whose destinations are prepared) to the channel, in
+    /// order; one future per row resolves with its publisher confirm, all
+    /// under one deadline (`ack_timeout` from now).
+    pub async fn send(&mut self, rows: &[&OutboxRow]) -> Vec<Pending> {
         let channel = match self.channel().await {
             Ok(channel) => channel,
-            Err(e) => return rows.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => {
+                return rows
+                    .iter()
+                    .map(|_| Box::pin(std::future::ready(Err(e.clone()))) as Pending)
+                    .collect()
+            }
         };
         let ack_timeout = self.ack_timeout;
         let deadline = tokio::time::Instant::now() + ack_timeout;
@@ -113,61 +122,77 @@ impl RabbitPublisher {
                 .with_content_type(ShortString::from("application/json"))
                 .with_message_id(ShortString::from(row.msg_key.as_str()))
                 .with_headers(headers);
-            let channel = &channel;
-            async move {
-                let confirm = channel
-                    .basic_publish(
-                        &row.destination,
-                        &row.destination,
-                        options,
-                        row.payload.as_bytes(),
-                        properties,
-                    )
-                    .await
-                    .map_err(|e| link_error("RabbitMQ publish failed", e))?;
-                match tokio::time::timeout_at(deadline, confirm).await {
-                    Err(_) => Err(PublishError::retriable(
-                        "no publisher confirm in time (maybe sent)",
-                        Plain(format!("waited {ack_timeout:?}")),
-                    )),
-                    Ok(Err(e)) => Err(link_error("RabbitMQ confirm failed", e)),
-                    Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-                    Ok(Ok(Confirmation::Ack(Some(returned))))
-                    | Ok(Ok(Confirmation::Nack(Some(returned)))) => Err(PublishError::unroutable(
-                        format!(
-                            "RabbitMQ returned the message as unroutable ({} {})",
-                            returned.reply_code, returned.reply_text
-                        ),
-                        Plain(format!(
-                            "is a queue bound to exchange `{}`?",
-                            returned.delivery.exchange
-                        )),
-                    )),
-                    Ok(Ok(Confirmation::Nack(None))) => Err(PublishError::retriable(
-                        "RabbitMQ nacked the message",
-                        Plain("the broker could not take it now".into()),
-                    )),
-                    Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::retriable(
-                        "publisher confirms are off on this channel",
-                        Plain("reconnecting".into()),
-                    )),
-                }
-            }
+            channel.basic_publish(
+                &row.destination,
+                &row.destination,
+                options,
+                row.payload.as_bytes(),
+                properties,
+            )
         });
-        let results = join_all(publishes).await;
+        join_all(publishes)
+            .await
+            .into_iter()
+            .map(|published| -> Pending {
+                let confirm = match published {
+                    Ok(confirm) => confirm,
+                    Err(e) => {
+                        return Box::pin(std::future::ready(Err(link_error(
+                            "RabbitMQ publish failed",
+                            e,
+                        ))))
+                    }
+                };
+                Box::pin(async move {
+                    match tokio::time::timeout_at(deadline, confirm).await {
+                        Err(_) => Err(PublishError::retriable(
+                            "no publisher confirm in time (maybe sent)",
+                            Plain(format!("waited {ack_timeout:?}")),
+                        )),
+                        Ok(Err(e)) => Err(link_error("RabbitMQ confirm failed", e)),
+                        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                        Ok(Ok(Confirmation::Ack(Some(returned))))
+                        | Ok(Ok(Confirmation::Nack(Some(returned)))) => {
+                            Err(PublishError::unroutable(
+                                format!(
+                                    "RabbitMQ returned the message as unroutable ({} {})",
+                                    returned.reply_code, returned.reply_text
+                                ),
+                                Plain(format!(
+                                    "is a queue bound to exchange `{}`?",
+                                    returned.delivery.exchange
+                                )),
+                            ))
+                        }
+                        Ok(Ok(Confirmation::Nack(None))) => Err(PublishError::retriable(
+                            "RabbitMQ nacked the message",
+                            Plain("the broker could not take it now".into()),
+                        )),
+                        Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::retriable(
+                            "publisher confirms are off on this channel",
+                            Plain("reconnecting".into()),
+                        )),
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Bookkeeping after a batch's confirms settled: the link is dropped
+    /// after retriable failures, destinations whose messages came back are
+    /// declared again before the next try.
+    pub fn settle(&mut self, rows: &[&OutboxRow], results: &[Result<(), PublishError>]) {
         if results
             .iter()
             .any(|r| matches!(r, Err(PublishError::Retriable { .. })))
         {
             self.broken("publish or confirm failed");
         }
-        for (row, result) in rows.iter().zip(&results) {
+        for (row, result) in rows.iter().zip(results) {
             if let Err(PublishError::Unroutable { .. }) = result {
-                // Declare again before the next try: the queue or binding may be gone.
                 self.ensured.remove(&row.destination);
             }
         }
-        results
     }
 
     pub async fn close(&mut self) {
