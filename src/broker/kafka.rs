@@ -113,3 +113,29 @@ pub fn classify(topic: &str, error: KafkaError) -> PublishError {
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(code: RDKafkaErrorCode) -> &'static str {
+        classify("t", KafkaError::MessageProduction(code)).kind()
+    }
+
+    #[test]
+    fn delivery_errors_are_classified_by_what_they_mean_for_the_row() {
+        assert_eq!(kind(RDKafkaErrorCode::MessageSizeTooLarge), "fatal");
+        assert_eq!(kind(RDKafkaErrorCode::InvalidTopic), "fatal");
+        assert_eq!(
+            kind(RDKafkaErrorCode::UnknownTopicOrPartition),
+            "unroutable"
+        );
+        assert_eq!(kind(RDKafkaErrorCode::MessageTimedOut), "retriable");
+        assert_eq!(kind(RDKafkaErrorCode::AllBrokersDown), "retriable");
+        assert_eq!(
+            classify("t", KafkaError::Canceled).kind(),
+            "retriable",
+            "a dropped producer means maybe sent"
+        );
+    }
+}
