@@ -22,9 +22,12 @@ fn rate(n: usize, d: Duration) -> f64 {
 }
 
 async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
-    let producer =
-        almanac::relay::kafka::producer(sinks.kafka_brokers.as_deref().unwrap(), sinks.ack_timeout)
-            .unwrap();
+    let producer = almanac::broker::kafka::producer(
+        sinks.kafka_brokers.as_deref().unwrap(),
+        sinks.ack_timeout,
+        sinks.max_message_bytes,
+    )
+    .unwrap();
     // Warm up: connect and learn the topic's leaders before timing.
     producer
         .send(
@@ -59,7 +62,7 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
 
 async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
     let (conn, channel) =
-        almanac::relay::rabbitmq::connect(sinks.amqp_url.as_deref().unwrap(), sinks.ack_timeout)
+        almanac::broker::rabbitmq::connect(sinks.amqp_url.as_deref().unwrap(), sinks.ack_timeout)
             .await
             .unwrap();
     channel
@@ -111,7 +114,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let body =
         serde_json::to_vec(&serde_json::json!({"order": 12345, "note": "benchmark payload"}))?;
+    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks.
+    let wanted = std::env::var("ALMANAC_BENCH_SINKS").unwrap_or_else(|_| "kafka,rabbitmq".into());
     for sink in [SinkKind::Kafka, SinkKind::Rabbitmq] {
+        if !wanted.split(',').any(|w| w.trim() == sink.as_str()) {
+            continue;
+        }
         let destination = format!("almanac-bench-{}-{}", sink, std::process::id());
         let kind = format!("bench_{sink}");
         let mut publisher = Publisher::new(sink, &sinks)?;
@@ -142,8 +150,12 @@ async fn main() -> anyhow::Result<()> {
         let start = Instant::now();
         let mut published = 0;
         while published < MESSAGES as u64 {
-            let r = relay.run_once().await?;
-            assert_eq!(r.failed, 0, "publishing failed during the benchmark");
+            let r = relay.drain().await?;
+            assert_eq!(
+                (r.retried, r.failed),
+                (0, 0),
+                "publishing failed during the benchmark"
+            );
             published += r.published;
         }
         let relayed = start.elapsed();

@@ -23,10 +23,13 @@
 //! - [`scheduler`]: cron, DST timeline, schedule files, run ledger, leader.
 //! - [`relay`] and [`consumer`]: the outbox relay to Kafka or RabbitMQ, routes,
 //!   and the broker consumers that run jobs through the same fence.
+//! - [`broker`]: sinks, connecting, creating topics and queues, and the typed
+//!   publish error, shared by the relay and the consumers.
 //! - [`redact`]: the one place connection URLs lose their passwords.
 //! - [`retry`]: the one pacing helper for reconnect and retry loops.
 //! - [`supervisor`]: runs background roles under one cancellation token.
 
+pub mod broker;
 pub mod cli;
 pub mod config;
 pub mod consumer;

@@ -215,3 +215,98 @@ async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
         3
     );
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPool) {
+    use sqlx::Connection;
+    let url = common::database_url(&pool);
+    almanac::relay::routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "mail",
+        almanac::relay::routes::RouteMode::Broker,
+        Some(almanac::relay::SinkKind::Rabbitmq),
+        Some("mail"),
+    )
+    .await
+    .unwrap();
+    // An application enqueued the kind in a transaction it keeps open.
+    let mut app = common::another_pool(&pool, 1)
+        .await
+        .acquire()
+        .await
+        .unwrap()
+        .detach();
+    sqlx::query("SET application_name = 'billing-app'")
+        .execute(&mut app)
+        .await
+        .unwrap();
+    let app_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut app)
+        .await
+        .unwrap();
+    let mut tx = app.begin().await.unwrap();
+    almanac::queue::enqueue(&mut tx, &almanac::queue::NewJob::new("mail"))
+        .await
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        almanac(
+            &url,
+            &[
+                "route",
+                "set",
+                "mail",
+                "--mode",
+                "db",
+                "--lock-timeout",
+                "1s",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("route set for kind `mail` gave up after 1s"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "pid {app_pid} (application `billing-app`, idle in transaction"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("nothing was changed"), "{err}");
+    assert!(err.contains("--lock-timeout"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "it gave up instead of waiting"
+    );
+    tx.rollback().await.unwrap();
+    // Nothing changed.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.routes WHERE kind = 'mail' AND mode = 'broker'"
+        )
+        .await,
+        1
+    );
+    // Once the transaction is gone the change goes through.
+    let url = common::database_url(&pool);
+    let out = almanac(
+        &url,
+        &[
+            "route",
+            "set",
+            "mail",
+            "--mode",
+            "db",
+            "--lock-timeout",
+            "1s",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}

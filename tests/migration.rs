@@ -195,6 +195,14 @@ async fn rolling_a_broker_kind_back_to_db_hands_its_ready_jobs_to_workers(pool: 
         .unwrap();
     assert_eq!(change.jobs_moved, 5);
     assert_eq!(
+        (
+            change.rows_dropped,
+            count(&pool, "SELECT count(*) FROM almanac.outbox").await
+        ),
+        (5, 0),
+        "their pending messages are dropped: workers run the jobs"
+    );
+    assert_eq!(
         queue::claim(&pool, &claim).await.unwrap().len(),
         5,
         "back on the database path at once"

@@ -116,7 +116,10 @@ async fn publishes_every_row_with_key_headers_and_id(pool: PgPool, sink: SinkKin
         brokers::relay_config(),
     );
     let report = relay.run_once().await.unwrap();
-    assert_eq!((report.published, report.failed), (25, 0));
+    assert_eq!(
+        (report.published, report.retried, report.failed),
+        (25, 0, 0)
+    );
     assert_eq!(unpublished(&pool).await, 0);
 
     let mut got = brokers::read(sink, &destination, 25, Duration::from_secs(30)).await;
@@ -145,7 +148,7 @@ async fn rabbitmq_relay_publishes_every_row_with_message_id_and_headers(pool: Pg
     publishes_every_row_with_key_headers_and_id(pool, SinkKind::Rabbitmq).await;
 }
 
-// ---- crash between the broker's ack and the mark ----
+// ---- crash between the broker's ack and the mark (two transactions) ----
 
 async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: SinkKind) {
     common::create_exec_log(&pool).await;
@@ -157,8 +160,10 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
         .collect();
     queue::enqueue_many(&mut conn, &batch).await.unwrap();
 
+    let lease = Duration::from_secs(3);
     let crashing = RelayConfig {
         failpoint: Some(Failpoint::AfterPublishBeforeMark),
+        in_flight_lease: lease,
         ..brokers::relay_config()
     };
     let mut relay = Relay::new(
@@ -170,13 +175,44 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
         relay.run_once().await,
         Err(RelayError::Failpoint(_))
     ));
+    drop(relay);
+    // The claim committed on its own: no transaction or row lock is held
+    // while the rows wait out their in-flight lease.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
+        )
+        .await,
+        0
+    );
     assert_eq!(unpublished(&pool).await, 10, "nothing was marked");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox WHERE lease_token IS NOT NULL AND available_at > now()").await,
+        10,
+        "the rows are in flight"
+    );
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        brokers::relay_config(),
+        RelayConfig {
+            in_flight_lease: lease,
+            ..brokers::relay_config()
+        },
     );
-    assert_eq!(relay.run_once().await.unwrap().published, 10);
+    // Poll until the in-flight lease ends and the rows go out again.
+    let mut published = 0;
+    let start = std::time::Instant::now();
+    while published < 10 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the rows did not come back after their lease"
+        );
+        published += relay.run_once().await.unwrap().published;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(published, 10);
+    assert_eq!(unpublished(&pool).await, 0);
 
     let stop = CancellationToken::new();
     let log = common::log_pool(&pool, 4).await;

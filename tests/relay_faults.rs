@@ -62,9 +62,9 @@ async fn broker_outage_loses_nothing<C, R>(
     enqueue(&pool, "during", 10).await;
     let report = relay.run_once().await.unwrap();
     assert_eq!(
-        (report.published, report.failed),
-        (0, 10),
-        "nothing is marked while the broker is away"
+        (report.published, report.retried, report.failed),
+        (0, 10, 0),
+        "nothing is marked while the broker is away, and nothing given up"
     );
     assert_eq!(unpublished(&pool).await, 10);
     let errors = count(&pool, "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND last_error IS NOT NULL AND attempts = 1").await;
@@ -166,7 +166,7 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
     enqueue(&pool, "lost", 3).await;
     let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
     let report = relay.run_once().await.unwrap();
-    assert_eq!((report.published, report.failed), (0, 3));
+    assert_eq!((report.published, report.retried, report.failed), (0, 3, 0));
     let errors: Vec<String> =
         sqlx::query_scalar("SELECT last_error FROM almanac.outbox WHERE published_at IS NULL")
             .fetch_all(&pool)
@@ -228,4 +228,147 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
         0,
         "a fresh row is pending: no second copy"
     );
+}
+
+// ---- per-row outcomes: one bad row does not hold up its batch ----
+
+async fn an_oversized_message_fails_alone(pool: PgPool, sink: SinkKind) {
+    let sinks = SinkConfig {
+        max_message_bytes: 10_000,
+        ..brokers::sinks()
+    };
+    let destination = unique("oversized");
+    let mut publisher = Publisher::new(sink, &sinks).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut batch: Vec<NewJob> = (0..6)
+        .map(|i| {
+            NewJob::new("task")
+                .payload(serde_json::json!({"n": i}))
+                .idempotency_key(format!("small:{i}"))
+        })
+        .collect();
+    batch.insert(
+        3,
+        NewJob::new("task")
+            .payload(serde_json::json!({"blob": "x".repeat(20_000)}))
+            .idempotency_key("big"),
+    );
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+
+    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(
+        (report.published, report.retried, report.failed),
+        (6, 0, 1),
+        "the good rows of the batch go out; the big one fails at once"
+    );
+    let got = brokers::read(sink, &destination, 6, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 6);
+    assert!(got.iter().all(|m| m.key.starts_with("small:")));
+
+    let (error, status, job_error): (String, String, String) = sqlx::query_as(
+        "SELECT o.last_error, j.status, j.last_error FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id WHERE o.failed_at IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(error.contains("over the 10000-byte limit"), "{error}");
+    assert_eq!(
+        status, "dead",
+        "nothing else can run a broker job whose message cannot be sent"
+    );
+    assert!(job_error.contains(&error), "{job_error}");
+    // It is not retried, and it shows in the figures.
+    assert_eq!(relay.run_once().await.unwrap(), Default::default());
+    let stats = almanac::relay::outbox_stats(&pool).await.unwrap();
+    let mine = stats.iter().find(|s| s.sink == sink.as_str()).unwrap();
+    assert_eq!((mine.backlog, mine.failed), (0, 1));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_oversized_message_fails_alone_and_its_job_goes_dead(pool: PgPool) {
+    an_oversized_message_fails_alone(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_oversized_message_fails_alone_and_its_job_goes_dead(pool: PgPool) {
+    an_oversized_message_fails_alone(pool, SinkKind::Rabbitmq).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_rows_whose_destination_cannot_be_created_fail_after_max_attempts(pool: PgPool) {
+    let destination = unique("clash");
+    // Someone else owns the name as a fanout exchange: declaring almanac's
+    // direct exchange is refused (406 PRECONDITION_FAILED) every time.
+    let conn = lapin::Connection::connect(&brokers::amqp_url(), Default::default())
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            &destination,
+            lapin::ExchangeKind::Fanout,
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    enqueue(&pool, "clash", 2).await;
+    let config = almanac::relay::RelayConfig {
+        max_publish_attempts: 3,
+        ..brokers::relay_config()
+    };
+    let publisher = Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap();
+    let mut relay = Relay::new(pool.clone(), publisher, config);
+    for attempt in 1..=3 {
+        sqlx::query("UPDATE almanac.outbox SET available_at = now() WHERE failed_at IS NULL")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let report = relay.run_once().await.unwrap();
+        let expected = if attempt < 3 { (0, 2, 0) } else { (0, 0, 2) };
+        assert_eq!(
+            (report.published, report.retried, report.failed),
+            expected,
+            "attempt {attempt}"
+        );
+    }
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT last_error FROM almanac.jobs WHERE status = 'dead'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(errors.len(), 2, "both jobs are dead");
+    assert!(
+        errors[0].contains(&format!(
+            "cannot declare RabbitMQ exchange and queue `{destination}`"
+        )) && errors[0].contains("PRECONDITION_FAILED")
+            && errors[0].contains("gave up after 3 attempts"),
+        "{}",
+        errors[0]
+    );
+    let channel = conn.create_channel().await.unwrap();
+    let _ = channel
+        .exchange_delete(&destination, Default::default())
+        .await;
+    let _ = conn.close(200, "done").await;
 }

@@ -5,8 +5,9 @@ use clap::Subcommand;
 
 use super::sinks::SinkFlags;
 use super::Ctx;
+use crate::broker::{self, SinkKind};
+use crate::config::HumanDuration;
 use crate::relay::routes::{self, RouteMode};
-use crate::relay::{Publisher, SinkKind};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -32,6 +33,9 @@ enum RouteCommand {
         /// Kafka topic, or RabbitMQ exchange and queue.
         #[arg(long)]
         destination: Option<String>,
+        /// Give up (changing nothing) when transactions that enqueued the kind hold it longer than this.
+        #[arg(long, env = "ALMANAC_ROUTE_LOCK_TIMEOUT", default_value = "5s")]
+        lock_timeout: HumanDuration,
         #[command(flatten)]
         sinks: SinkFlags,
     },
@@ -72,6 +76,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             mode,
             sink,
             destination,
+            lock_timeout,
             sinks,
         } => {
             let pool = ctx.migrated_pool(2).await?;
@@ -82,16 +87,27 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             if let (RouteMode::Dual | RouteMode::Broker, Some(sink_kind), Some(dest)) =
                 (mode, sink_kind, &dest)
             {
-                let mut publisher = Publisher::new(sink_kind, &sinks.resolve(ctx))
-                    .context("the route was not changed")?;
-                publisher
-                    .ensure(dest)
-                    .await
-                    .with_context(|| format!("cannot prepare {sink_kind} destination `{dest}`; the route was not changed"))?;
-                publisher.flush().await;
+                let config = sinks.resolve(ctx);
+                match broker::ensure_destination(sink_kind, &config, dest).await {
+                    Err(err @ broker::SinkError::NotConfigured { .. }) => {
+                        return Err(anyhow::Error::new(err).context("the route was not changed"))
+                    }
+                    other => other.with_context(|| {
+                        format!("cannot prepare {sink_kind} destination `{dest}`; the route was not changed")
+                    })?,
+                }
             }
-            let change = routes::set(&mut conn, &kind, mode, sink_kind, dest.as_deref()).await?;
-            println!(
+            let change = routes::set_within(
+                &mut conn,
+                &kind,
+                mode,
+                sink_kind,
+                dest.as_deref(),
+                lock_timeout.0,
+            )
+            .await?;
+            let plural = |n: u64| if n == 1 { "" } else { "s" };
+            let mut line = format!(
                 "{kind}: {}{}; {} ready or running job{} moved to it",
                 change.route.mode,
                 match (&change.route.sink, &change.route.destination) {
@@ -99,8 +115,23 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                     _ => String::new(),
                 },
                 change.jobs_moved,
-                if change.jobs_moved == 1 { "" } else { "s" }
+                plural(change.jobs_moved)
             );
+            if change.rows_readdressed > 0 {
+                line += &format!(
+                    "; {} pending message{} re-addressed",
+                    change.rows_readdressed,
+                    plural(change.rows_readdressed)
+                );
+            }
+            if change.rows_dropped > 0 {
+                line += &format!(
+                    "; {} pending message{} dropped (workers run those jobs)",
+                    change.rows_dropped,
+                    plural(change.rows_dropped)
+                );
+            }
+            println!("{line}");
             Ok(())
         }
     }

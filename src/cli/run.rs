@@ -10,7 +10,7 @@ use anyhow::{bail, Context as _};
 use tokio::sync::mpsc;
 
 use super::ops::{HttpFlags, JanitorFlags};
-use super::sinks::SinkFlags;
+use super::sinks::{RelayFlags, SinkFlags};
 use super::{Ctx, SchedulesDir};
 use crate::config::HumanDuration;
 use crate::http::HttpAddr;
@@ -63,6 +63,8 @@ pub struct Args {
     janitor: JanitorFlags,
     #[command(flatten)]
     sinks: SinkFlags,
+    #[command(flatten)]
+    relay: RelayFlags,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
@@ -141,6 +143,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         relay.redrive_after,
     )
     .map_err(anyhow::Error::msg)?;
+    let relay = args.relay.apply(relay, &sinks)?;
     let scheduler = if wants("scheduler") {
         let d = SchedulerConfig::default();
         let config = SchedulerConfig {

@@ -1,8 +1,12 @@
-//! Broker flags shared by `run`, `consume` and `route set`.
+//! Broker flags shared by `run`, `consume` and `route set`, and the relay's
+//! own flags for `run`.
+
+use anyhow::bail;
 
 use super::Ctx;
+use crate::broker::SinkConfig;
 use crate::config::HumanDuration;
-use crate::relay::SinkConfig;
+use crate::relay::RelayConfig;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SinkFlags {
@@ -21,6 +25,9 @@ pub struct SinkFlags {
     /// How long a publish waits for the broker's acknowledgement [default: 10s].
     #[arg(long, env = "ALMANAC_ACK_TIMEOUT")]
     pub ack_timeout: Option<HumanDuration>,
+    /// The largest message body the relay sends; a larger one is marked failed [default: 1000000].
+    #[arg(long, env = "ALMANAC_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
 }
 
 impl SinkFlags {
@@ -51,6 +58,48 @@ impl SinkFlags {
                 .ack_timeout
                 .or(file.ack_timeout)
                 .map_or(defaults.ack_timeout, |d| d.0),
+            max_message_bytes: self.max_message_bytes.unwrap_or(defaults.max_message_bytes),
         }
+    }
+}
+
+/// The relay's settings in `almanac run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RelayFlags {
+    /// Tries after which an outbox row the broker cannot route is marked failed and its job dead [default: 10].
+    #[arg(long, env = "ALMANAC_MAX_PUBLISH_ATTEMPTS")]
+    pub max_publish_attempts: Option<i32>,
+    /// How long a relay holds a claimed batch before another relay may publish it again [default: 60s].
+    #[arg(long, env = "ALMANAC_IN_FLIGHT_LEASE")]
+    pub in_flight_lease: Option<HumanDuration>,
+    /// How often the relay repairs jobs and outbox rows that disagree with their route [default: 60s].
+    #[arg(long, env = "ALMANAC_RECONCILE_INTERVAL")]
+    pub reconcile_interval: Option<HumanDuration>,
+}
+
+impl RelayFlags {
+    /// `config` with these flags applied, validated against `sinks`.
+    pub fn apply(&self, config: RelayConfig, sinks: &SinkConfig) -> anyhow::Result<RelayConfig> {
+        let config = RelayConfig {
+            max_publish_attempts: self
+                .max_publish_attempts
+                .unwrap_or(config.max_publish_attempts),
+            in_flight_lease: self.in_flight_lease.map_or(config.in_flight_lease, |d| d.0),
+            reconcile_interval: self
+                .reconcile_interval
+                .map_or(config.reconcile_interval, |d| d.0),
+            ..config
+        };
+        if let Err(message) = config.validate() {
+            bail!("{message}");
+        }
+        if config.in_flight_lease <= sinks.ack_timeout {
+            bail!(
+                "--in-flight-lease ({:?}) must be longer than --ack-timeout ({:?}): a batch still waiting for acks would be claimed again",
+                config.in_flight_lease,
+                sinks.ack_timeout
+            );
+        }
+        Ok(config)
     }
 }

@@ -47,15 +47,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     println!("expired leases:         {}", s.jobs.expired_leases);
     println!("dead jobs:              {}", s.jobs.dead);
-    if s.outbox.is_empty() {
-        println!("outbox:                 empty");
-    }
     for sink in &s.outbox {
         println!(
-            "outbox {:<15} {} unpublished, oldest {:.1}s",
+            "outbox {:<15} {} unpublished ({} in flight), oldest {:.1}s, {} failed for good",
             format!("{}:", sink.sink),
             sink.backlog,
-            sink.oldest_seconds
+            sink.in_flight,
+            sink.oldest_unpublished_seconds,
+            sink.failed
         );
     }
     match &s.leader {

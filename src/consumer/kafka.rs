@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{Consumer, JOB_ID_HEADER};
-use crate::relay::kafka::{admin, ensure_topic};
-use crate::relay::{SinkError, SinkKind};
+use crate::broker::kafka::{admin, ensure_topic};
+use crate::broker::{SinkError, SinkKind};
 use crate::retry::Retry;
 use crate::worker::Executor;
 

@@ -38,8 +38,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::queue::{self, QueueError};
-use crate::relay::{SinkConfig, SinkError, SinkKind};
 use crate::retry::Retry;
 use crate::worker::{Executed, Executor, Handler, WorkerConfig, WorkerReport};
 

@@ -13,9 +13,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{Consumer, JOB_ID_HEADER};
+use crate::broker::rabbitmq::{connect, declare};
+use crate::broker::{SinkError, SinkKind};
 use crate::redact::redact_url;
-use crate::relay::rabbitmq::{connect, declare};
-use crate::relay::{SinkError, SinkKind};
 use crate::worker::Executor;
 
 fn job_id(headers: &Option<FieldTable>) -> Option<i64> {

@@ -19,7 +19,7 @@ use tracing::{info, warn};
 use crate::config::positive;
 use crate::metrics;
 use crate::queue::{self, JobStatus, QueueError};
-use crate::relay::backlog;
+use crate::relay::outbox;
 
 #[derive(Debug, Clone)]
 pub struct JanitorConfig {
@@ -162,7 +162,7 @@ impl Janitor {
                 (what, n)
             }
             Target::Outbox => {
-                let n = backlog::delete_published(&self.pool, self.config.outbox_retention, limit)
+                let n = outbox::delete_published(&self.pool, self.config.outbox_retention, limit)
                     .await?;
                 ("outbox", n)
             }

@@ -115,7 +115,10 @@ impl Collector {
                 .set(row.map_or(0.0, |b| b.backlog as f64));
             m.outbox_oldest_age
                 .get_or_create(&label)
-                .set(row.map_or(0.0, |b| b.oldest_seconds));
+                .set(row.map_or(0.0, |b| b.oldest_unpublished_seconds));
+            m.outbox_failed
+                .get_or_create(&label)
+                .set(row.map_or(0.0, |b| b.failed as f64));
         }
     }
 

@@ -8,7 +8,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 
 use crate::queue::{self, QueueError, Stats};
-use crate::relay::backlog::{self, SinkBacklog};
+use crate::relay::outbox::{self, SinkOutboxStats};
 use crate::scheduler::cron::CronExpr;
 use crate::scheduler::leader::LEADER_LOCK_KEY;
 use crate::scheduler::timeline::Timeline;
@@ -16,7 +16,7 @@ use crate::scheduler::timeline::Timeline;
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
     pub jobs: Stats,
-    pub outbox: Vec<SinkBacklog>,
+    pub outbox: Vec<SinkOutboxStats>,
     /// The session holding the scheduler's leader lock, if any.
     pub leader: Option<Leader>,
     /// Each enabled schedule's latest ledger row and how far planning lags.
@@ -46,7 +46,7 @@ pub struct Leader {
 impl Snapshot {
     pub async fn read(conn: &mut PgConnection) -> Result<Snapshot, QueueError> {
         let jobs = queue::stats(&mut *conn).await?;
-        let outbox = backlog::backlog(&mut *conn).await?;
+        let outbox = outbox::stats(&mut *conn).await?;
         let leader = leader(&mut *conn).await?;
         let schedules = schedules(&mut *conn).await?;
         Ok(Snapshot {

@@ -41,6 +41,7 @@ mod backoff;
 mod enqueue;
 mod lease;
 mod retention;
+pub mod routing;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

@@ -5,72 +5,59 @@
 //!   row in the same transaction as every transition of a `dual` or `broker`
 //!   job to `ready` (enqueue, retry, reaper, release, `route set`), with
 //!   `available_at = run_at` (migration `0003_outbox.sql`).
-//! - **Claim, publish, mark in one transaction.** A relay locks a batch of due
-//!   rows of its sink with `FOR UPDATE SKIP LOCKED` (several relays share the
-//!   work), publishes them, waits for every acknowledgement (each under the
-//!   ack timeout), and in the same transaction marks the acknowledged rows
-//!   published and gives the others `last_error` and a later `available_at`.
-//! - **Crash between publish and mark.** The transaction rolls back, the rows
-//!   are published again: the message arrives twice, and the consumer's claim
-//!   through the job fence makes the second copy a no-op.
-//! - **Broker down.** Rows stay unpublished and wait; the relay backs off
-//!   and retries; nothing is lost.
+//! - **Short transactions.** A relay claims a batch of due rows of its sink in
+//!   one statement (`FOR UPDATE SKIP LOCKED`, so several relays share the
+//!   work): each row gets an in-flight lease (`available_at` moves to its end)
+//!   and the claim's token, and the statement commits. The batch is published
+//!   and its acknowledgements awaited outside any transaction; then a second
+//!   short transaction marks each row by its outcome, naming the token. No row
+//!   lock or transaction is held while a broker thinks. While one batch is in
+//!   flight the next is claimed, and the previous one is marked.
+//! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
+//!   are marked published. A `Retriable` failure (broker down, timeout, broken
+//!   link: "maybe sent") keeps the row, with `last_error`, for a later try with
+//!   backoff, however long the broker stays away. An `Unroutable` row (no
+//!   queue bound, destination cannot be created) is retried until it has used
+//!   `max_publish_attempts`; a `Fatal` one (too large, invalid destination) at
+//!   once. Such a row is marked failed with its reason and its job, when it is
+//!   a ready `broker` job, goes `dead` with that reason (a `dual` job stays
+//!   for workers). The other rows of the batch are not affected.
+//! - **Crash between publish and mark.** The rows stay claimed until their
+//!   in-flight lease ends, then come due and are published again: the message
+//!   arrives twice, and the consumer's claim through the job fence makes the
+//!   second copy a no-op. A relay whose lease ran out marks nothing.
 //! - **Re-drive.** A `broker` job that stays ready and due longer than
-//!   `redrive_after` with no recent outbox row (its message was lost, purged or
-//!   skipped) gets a fresh one, so broker mode never strands a job.
+//!   `redrive_after` with no row pending on its current route and none
+//!   published there recently (its message was lost, purged or skipped) gets
+//!   a fresh one, so broker mode never strands a job.
+//! - **Reconcile.** Every `reconcile_interval` the relay repairs jobs whose
+//!   route disagrees with `almanac.routes` and pending rows addressed to a
+//!   sink or destination their kind no longer uses ([`routes::reconcile`]).
 //! - LISTEN/NOTIFY (`almanac_outbox`) wakes the relay; polling is the safety net.
 
-pub mod backlog;
 pub mod kafka;
+pub mod outbox;
+pub mod publisher;
 pub mod rabbitmq;
 pub mod routes;
-pub mod sink;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
+use tokio::task::JoinHandle;
 use tokio::time::{sleep, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
+use uuid::Uuid;
 
-use crate::queue::Backoff;
-pub use sink::{Publisher, SinkConfig, SinkError, SinkKind};
+pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
+use crate::queue::{routing, Backoff};
+use crate::retry::Retry;
+pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
+pub use publisher::{InFlight, Publisher};
 
 pub const NOTIFY_CHANNEL: &str = "almanac_outbox";
-
-/// One outbox row, as claimed.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct OutboxRow {
-    pub id: i64,
-    pub job_id: i64,
-    pub destination: String,
-    pub msg_key: String,
-    pub payload: serde_json::Value,
-    pub headers: serde_json::Value,
-    pub attempts: i32,
-    pub available_at: DateTime<Utc>,
-}
-
-impl OutboxRow {
-    /// Header names and values, in name order.
-    pub fn headers(&self) -> Vec<(String, String)> {
-        let map: BTreeMap<String, serde_json::Value> =
-            serde_json::from_value(self.headers.clone()).unwrap_or_default();
-        map.into_iter()
-            .map(|(k, v)| {
-                (
-                    k,
-                    v.as_str()
-                        .map(str::to_string)
-                        .unwrap_or_else(|| v.to_string()),
-                )
-            })
-            .collect()
-    }
-}
 
 /// A test hook: stop at a chosen point as a crash would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,27 +70,62 @@ pub enum Failpoint {
 pub struct RelayConfig {
     pub batch_size: i64,
     pub poll_interval: Duration,
-    /// Delay before a failed row is tried again (doubling per attempt).
+    /// Delay before a failed row is tried again (doubling per attempt); also
+    /// paces the relay after a failed batch.
     pub retry: Backoff,
+    /// How long a claimed row stays with the relay that claimed it; must be
+    /// longer than publishing a batch takes (the ack timeout and then some).
+    pub in_flight_lease: Duration,
+    /// Tries after which an unroutable row is marked failed.
+    pub max_publish_attempts: i32,
     /// Broker-route jobs ready and due this long without a recent outbox row
     /// get a fresh one.
     pub redrive_after: Duration,
+    /// How often jobs and rows that disagree with their route are repaired.
+    pub reconcile_interval: Duration,
     pub failpoint: Option<Failpoint>,
 }
 
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            batch_size: 200,
+            batch_size: 500,
             poll_interval: Duration::from_secs(1),
             retry: Backoff {
                 base: Duration::from_millis(500),
                 max: Duration::from_secs(60),
                 jitter: 0.25,
             },
+            in_flight_lease: Duration::from_secs(60),
+            max_publish_attempts: 10,
             redrive_after: Duration::from_secs(300),
+            reconcile_interval: Duration::from_secs(60),
             failpoint: None,
         }
+    }
+}
+
+impl RelayConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.batch_size < 1 {
+            return Err(format!(
+                "relay batch size is {}; it must be at least 1",
+                self.batch_size
+            ));
+        }
+        if self.max_publish_attempts < 1 {
+            return Err(format!(
+                "--max-publish-attempts is {}; it must be at least 1",
+                self.max_publish_attempts
+            ));
+        }
+        if self.in_flight_lease < Duration::from_secs(1) {
+            return Err(format!(
+                "the in-flight lease is {:?}; it must be at least 1s",
+                self.in_flight_lease
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -111,15 +133,37 @@ impl Default for RelayConfig {
 pub enum RelayError {
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
-    #[error("failpoint {0:?} reached; the batch was rolled back")]
+    #[error("failpoint {0:?} reached; the claimed rows were left in flight")]
     Failpoint(Failpoint),
+    #[error("a relay task ended abnormally: {0}")]
+    Task(String),
 }
 
-/// What one batch did.
+/// What the relay did with a batch (or several).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayReport {
+    /// Rows acknowledged by the broker and marked published.
     pub published: u64,
+    /// Rows that failed this time and will be tried again.
+    pub retried: u64,
+    /// Rows marked failed for good (their jobs went dead).
     pub failed: u64,
+}
+
+impl std::ops::AddAssign for RelayReport {
+    fn add_assign(&mut self, other: Self) {
+        self.published += other.published;
+        self.retried += other.retried;
+        self.failed += other.failed;
+    }
+}
+
+/// What becomes of one row after a publish.
+#[derive(Debug, Clone)]
+enum Outcome {
+    Published,
+    Retry { error: String, delay: Duration },
+    Failed { error: String },
 }
 
 pub struct Relay {
@@ -137,72 +181,144 @@ impl Relay {
         }
     }
 
-    /// Claims, publishes and marks one batch.
+    fn claim(&self) -> impl std::future::Future<Output = Result<Claimed, sqlx::Error>> + 'static {
+        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
+        let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
+        async move { outbox::claim(&pool, sink, limit, lease).await }
+    }
+
+    /// The outcome of each row of a published batch.
+    fn outcomes(&self, rows: &[OutboxRow], results: Vec<Result<(), PublishError>>) -> Vec<Outcome> {
+        rows.iter()
+            .zip(results)
+            .map(|(row, result)| match result {
+                Ok(()) => Outcome::Published,
+                Err(e @ PublishError::Fatal { .. }) => Outcome::Failed { error: e.reason() },
+                Err(e @ PublishError::Unroutable { .. })
+                    if row.attempts >= self.config.max_publish_attempts =>
+                {
+                    Outcome::Failed {
+                        error: format!("{} (gave up after {} attempts)", e.reason(), row.attempts),
+                    }
+                }
+                Err(e) => Outcome::Retry {
+                    error: e.reason(),
+                    delay: self.config.retry.delay(row.attempts),
+                },
+            })
+            .collect()
+    }
+
+    /// Claims, publishes and marks one batch (without pipelining).
     pub async fn run_once(&mut self) -> Result<RelayReport, RelayError> {
-        let sink = self.publisher.sink();
-        let mut tx = self.pool.begin().await?;
-        let rows: Vec<OutboxRow> = sqlx::query_as(
-            r#"
-            SELECT id, job_id, destination, msg_key, payload, headers, attempts, available_at
-            FROM almanac.outbox
-            WHERE published_at IS NULL AND sink = $1 AND available_at <= now()
-            ORDER BY available_at, id
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED
-            "#,
-        )
-        .bind(sink.as_str())
-        .bind(self.config.batch_size)
-        .fetch_all(&mut *tx)
-        .await?;
-        if rows.is_empty() {
-            tx.commit().await?;
+        let claimed = self.claim().await?;
+        if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
-        let results = self.publisher.publish(&rows).await;
+        let results = self.publisher.publish(&claimed.rows).await;
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));
         }
-        let mut published = Vec::new();
-        let (mut failed_ids, mut errors, mut delays) = (Vec::new(), Vec::new(), Vec::new());
-        for (row, result) in rows.iter().zip(results) {
-            match result {
-                Ok(()) => published.push(row.id),
-                Err(error) => {
-                    failed_ids.push(row.id);
-                    delays.push(self.config.retry.delay(row.attempts + 1).as_millis() as i64);
-                    errors.push(error);
+        let outcomes = self.outcomes(&claimed.rows, results);
+        Ok(mark(self.pool.clone(), self.publisher.sink(), claimed, outcomes).await?)
+    }
+
+    /// Publishes due rows batch after batch until a batch comes back short
+    /// or has rows to retry. Pipelined: while one batch awaits its
+    /// acknowledgements the next is claimed and sent, and each batch is
+    /// marked while the following ones go out. At most two batches are
+    /// unacknowledged at a time.
+    pub async fn drain(&mut self) -> Result<RelayReport, RelayError> {
+        let mut report = RelayReport::default();
+        let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
+        let mut outstanding: Option<(Claimed, InFlight)> = None;
+        let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
+        let mut claimed = Some(self.claim().await?);
+        let mut result = Ok(());
+        loop {
+            let mut stop = true;
+            let mut sent = None;
+            if let Some(batch) = claimed.take().filter(|c| !c.rows.is_empty()) {
+                let full = batch.rows.len() as i64 >= self.config.batch_size;
+                let in_flight = self.publisher.send(&batch.rows).await;
+                if full {
+                    next_claim = Some(tokio::spawn(self.claim()));
+                }
+                sent = Some((batch, in_flight));
+                stop = !full;
+            }
+            if let Some((batch, in_flight)) = outstanding.take() {
+                match self
+                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .await
+                {
+                    Ok(false) => {}
+                    Ok(true) => stop = true,
+                    Err(e) => {
+                        result = Err(e);
+                        stop = true;
+                    }
+                }
+            }
+            outstanding = sent;
+            if stop {
+                break;
+            }
+            match join(next_claim.take().expect("a claim is pending")).await {
+                Ok(batch) => claimed = Some(batch),
+                Err(e) => {
+                    result = Err(e);
+                    break;
                 }
             }
         }
-        sqlx::query("UPDATE almanac.outbox SET published_at = now(), attempts = attempts + 1, last_error = NULL WHERE id = ANY($1)")
-            .bind(&published)
-            .execute(&mut *tx)
-            .await?;
-        if !failed_ids.is_empty() {
-            sqlx::query(
-                r#"
-                UPDATE almanac.outbox AS o
-                SET attempts = o.attempts + 1, last_error = f.error,
-                    available_at = now() + f.delay_ms * interval '1 millisecond'
-                FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
-                WHERE o.id = f.id
-                "#,
-            )
-            .bind(&failed_ids)
-            .bind(&errors)
-            .bind(&delays)
-            .execute(&mut *tx)
-            .await?;
-            warn!(%sink, failed = failed_ids.len(), error = %errors[0], "publishing failed; rows stay unpublished and will be retried");
+        if let Some((batch, in_flight)) = outstanding.take() {
+            if result.is_ok() {
+                if let Err(e) = self
+                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .await
+                {
+                    result = Err(e);
+                }
+            }
+            // Otherwise its rows go out again when their in-flight lease ends.
         }
-        tx.commit().await?;
-        crate::metrics::record_published(sink.as_str(), published.len() as u64);
-        crate::metrics::record_publish_failed(sink.as_str(), failed_ids.len() as u64);
-        Ok(RelayReport {
-            published: published.len() as u64,
-            failed: failed_ids.len() as u64,
-        })
+        if let Some(previous) = marking.take() {
+            match join(previous).await {
+                Ok(r) => report += r,
+                Err(e) if result.is_ok() => result = Err(e),
+                Err(e) => warn!(sink = %self.publisher.sink(), %e, "marking a batch failed"),
+            }
+        }
+        if let Some(claim) = next_claim {
+            // Rows claimed ahead go back when their in-flight lease ends.
+            claim.abort();
+        }
+        result.map(|()| report)
+    }
+
+    /// Awaits a sent batch's acknowledgements and starts marking it (after
+    /// the previous mark is done); `true` when some rows are to be retried.
+    async fn finish(
+        &mut self,
+        batch: Claimed,
+        in_flight: InFlight,
+        marking: &mut Option<JoinHandle<Result<RelayReport, sqlx::Error>>>,
+        report: &mut RelayReport,
+    ) -> Result<bool, RelayError> {
+        let results = in_flight.acks().await;
+        self.publisher.settle(&batch.rows, &results);
+        if let Some(point) = self.config.failpoint {
+            return Err(RelayError::Failpoint(point));
+        }
+        let outcomes = self.outcomes(&batch.rows, results);
+        let retrying = outcomes.iter().any(|o| matches!(o, Outcome::Retry { .. }));
+        if let Some(previous) = marking.take() {
+            *report += join(previous).await?;
+        }
+        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
+        *marking = Some(tokio::spawn(mark(pool, sink, batch, outcomes)));
+        Ok(retrying)
     }
 
     /// Gives stranded broker-route jobs a fresh outbox row; returns how many.
@@ -210,48 +326,66 @@ impl Relay {
         redrive(&self.pool, self.publisher.sink(), self.config.redrive_after).await
     }
 
+    /// Repairs jobs and rows that disagree with their kind's route.
+    pub async fn reconcile(&self) -> Result<routes::Reconciled, RelayError> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(routes::reconcile(&mut conn).await?)
+    }
+
+    async fn maintain(&self, next_redrive: &mut Instant, next_reconcile: &mut Instant) {
+        let sink = self.publisher.sink();
+        if Instant::now() >= *next_redrive {
+            match self.redrive().await {
+                Ok(0) => {}
+                Ok(n) => {
+                    warn!(%sink, jobs = n, "re-drove stranded broker jobs with fresh outbox rows")
+                }
+                Err(err) => warn!(%sink, %err, "re-drive failed"),
+            }
+            *next_redrive = Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
+        }
+        if Instant::now() >= *next_reconcile {
+            match self.reconcile().await {
+                Ok(r) if r == routes::Reconciled::default() => {}
+                Ok(r) => warn!(
+                    %sink,
+                    jobs_moved = r.jobs_moved,
+                    rows_readdressed = r.rows_readdressed,
+                    rows_dropped = r.rows_dropped,
+                    "reconciled jobs and outbox rows with their routes"
+                ),
+                Err(err) => warn!(%sink, %err, "reconcile failed"),
+            }
+            *next_reconcile = Instant::now() + self.config.reconcile_interval;
+        }
+    }
+
     pub async fn run(mut self, shutdown: CancellationToken) {
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
         let mut listener = listen(&self.pool).await;
-        let mut failures = 0u32;
+        let mut retry = Retry::new(self.config.retry.base, self.config.retry.max);
         let mut next_redrive =
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
+        let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
             if listener.is_none() {
                 // Polling covers for it meanwhile; try LISTEN again each round.
                 listener = listen(&self.pool).await;
             }
-            if Instant::now() >= next_redrive {
-                match self.redrive().await {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        warn!(%sink, jobs = n, "re-drove stranded broker jobs with fresh outbox rows")
-                    }
-                    Err(err) => warn!(%sink, %err, "re-drive failed"),
-                }
-                next_redrive =
-                    Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
-            }
-            let pause = match self.run_once().await {
-                Ok(r) if r.failed == 0 && r.published as i64 == self.config.batch_size => {
-                    failures = 0;
-                    continue;
-                }
-                Ok(r) if r.failed > 0 => {
-                    failures += 1;
-                    self.config.retry.delay(failures as i32)
-                }
+            self.maintain(&mut next_redrive, &mut next_reconcile).await;
+            let pause = match self.drain().await {
+                Ok(r) if r.retried > 0 => retry.failed(),
                 Ok(_) => {
-                    failures = 0;
+                    retry.succeeded();
                     self.config.poll_interval
                 }
                 Err(err) => {
-                    failures += 1;
                     warn!(%sink, %err, "relay batch failed");
-                    self.config.retry.delay(failures as i32)
+                    retry.failed()
                 }
             };
+            let failing = retry.failures() > 0;
             let woken = async {
                 match listener.as_mut() {
                     Some(l) => {
@@ -265,12 +399,99 @@ impl Relay {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = sleep(pause) => {}
-                _ = woken, if failures == 0 => {}
+                _ = woken, if !failing => {}
             }
         }
         self.publisher.flush().await;
         info!(%sink, "relay stopped");
     }
+}
+
+async fn join<T>(handle: JoinHandle<Result<T, sqlx::Error>>) -> Result<T, RelayError> {
+    match handle.await {
+        Ok(result) => Ok(result?),
+        Err(e) => Err(RelayError::Task(e.to_string())),
+    }
+}
+
+/// Marks a published batch by outcome in one short transaction (one
+/// statement when every row was acknowledged) and records each outcome.
+async fn mark(
+    pool: PgPool,
+    sink: SinkKind,
+    claimed: Claimed,
+    outcomes: Vec<Outcome>,
+) -> Result<RelayReport, sqlx::Error> {
+    let token: Uuid = claimed.token;
+    let mut published = Vec::with_capacity(outcomes.len());
+    let (mut retry_ids, mut retry_errors, mut retry_delays) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut failed_ids, mut failed_errors) = (Vec::new(), Vec::new());
+    for (row, outcome) in claimed.rows.iter().zip(outcomes) {
+        match outcome {
+            Outcome::Published => published.push(row.id),
+            Outcome::Retry { error, delay } => {
+                retry_ids.push(row.id);
+                retry_errors.push(error);
+                retry_delays.push(delay);
+            }
+            Outcome::Failed { error } => {
+                failed_ids.push(row.id);
+                failed_errors.push(error);
+            }
+        }
+    }
+    if retry_ids.is_empty() && failed_ids.is_empty() {
+        let marked = outbox::mark_published(&pool, token, &published).await?;
+        record_published(sink, marked);
+        return Ok(RelayReport {
+            published: marked,
+            ..Default::default()
+        });
+    }
+    let mut tx = pool.begin().await?;
+    let marked = outbox::mark_published(&mut *tx, token, &published).await?;
+    let retried =
+        outbox::mark_retry(&mut *tx, token, &retry_ids, &retry_errors, &retry_delays).await?;
+    let failed = outbox::mark_failed(&mut tx, token, &failed_ids, &failed_errors).await?;
+    let (jobs, reasons): (Vec<i64>, Vec<String>) =
+        failed.iter().map(|f| (f.job_id, f.error.clone())).unzip();
+    let buried = routing::bury_unpublishable(&mut tx, &jobs, &reasons).await?;
+    tx.commit().await?;
+    record_published(sink, marked);
+    if retried > 0 {
+        crate::metrics::record_publish_failed(sink.as_str(), retried);
+        warn!(%sink, rows = retried, error = %retry_errors[0], "publishing failed; the rows stay unpublished and will be retried");
+    }
+    for row in &failed {
+        record_failed(sink, row, buried.contains(&row.job_id));
+    }
+    Ok(RelayReport {
+        published: marked,
+        retried,
+        failed: failed.len() as u64,
+    })
+}
+
+/// The one place rows marked published are recorded.
+fn record_published(sink: SinkKind, rows: u64) {
+    crate::metrics::record_published(sink.as_str(), rows);
+    if rows > 0 {
+        debug!(%sink, rows, "outbox rows published");
+    }
+}
+
+/// The one place a row marked failed for good is recorded.
+fn record_failed(sink: SinkKind, row: &FailedRow, job_buried: bool) {
+    crate::metrics::record_publish_failed(sink.as_str(), 1);
+    warn!(
+        %sink,
+        outbox_id = row.id,
+        job_id = row.job_id,
+        destination = %row.destination,
+        job_dead = job_buried,
+        reason = %row.error,
+        "the broker rejected an outbox row for good; it will not be retried"
+    );
 }
 
 async fn listen(pool: &PgPool) -> Option<PgListener> {
@@ -284,23 +505,11 @@ async fn listen(pool: &PgPool) -> Option<PgListener> {
 
 /// See [`Relay::redrive`].
 pub async fn redrive(pool: &PgPool, sink: SinkKind, after: Duration) -> Result<u64, RelayError> {
-    let n: Option<i64> = sqlx::query_scalar(
-        r#"
-        WITH stranded AS (
-            SELECT j FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
-            WHERE j.status = 'ready' AND j.route = 'broker' AND r.sink = $1
-              AND j.run_at <= now() - $2 * interval '1 millisecond'
-              AND NOT EXISTS (
-                  SELECT 1 FROM almanac.outbox o WHERE o.job_id = j.id
-                    AND (o.published_at IS NULL OR o.published_at > now() - $2 * interval '1 millisecond'))
-            LIMIT 1000
-        )
-        SELECT count(almanac.write_outbox(j)) FROM stranded
-        "#,
-    )
-    .bind(sink.as_str())
-    .bind(after.as_millis() as i64)
-    .fetch_one(pool)
-    .await?;
-    Ok(n.unwrap_or(0) as u64)
+    Ok(routing::redrive(pool, sink.as_str(), after).await?)
+}
+
+/// Backlog, in-flight, oldest unpublished and failed rows per sink, for
+/// `almanac stats` and the metrics.
+pub async fn outbox_stats(pool: &PgPool) -> Result<Vec<SinkOutboxStats>, RelayError> {
+    Ok(outbox::stats(pool).await?)
 }

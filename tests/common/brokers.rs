@@ -41,6 +41,7 @@ pub fn sinks() -> SinkConfig {
         kafka_partitions: 2,
         kafka_replication: 1,
         ack_timeout: Duration::from_secs(3),
+        ..SinkConfig::default()
     }
 }
 
@@ -54,6 +55,7 @@ pub fn relay_config() -> almanac::relay::RelayConfig {
             max: Duration::from_millis(300),
             jitter: 0.2,
         },
+        in_flight_lease: Duration::from_secs(10),
         ..Default::default()
     }
 }

@@ -1,0 +1,121 @@
+//! The statements on `almanac.jobs` that routes and the relay run: moving a
+//! kind's unfinished jobs to its route, the reconcile that repairs jobs whose
+//! route disagrees with `almanac.routes`, re-drive of stranded broker jobs,
+//! and burying the job of an outbox row the broker rejected for good.
+
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgExecutor};
+
+/// Moves `kind`'s ready and running jobs to `mode`; the outbox trigger
+/// writes rows for ready jobs leaving `db`. Returns how many moved.
+pub async fn move_kind(
+    conn: &mut PgConnection,
+    kind: &str,
+    mode: &str,
+) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "UPDATE almanac.jobs SET route = $2 \
+         WHERE kind = $1 AND status IN ('ready', 'running') AND route <> $2",
+    )
+    .bind(kind)
+    .bind(mode)
+    .execute(conn)
+    .await?
+    .rows_affected())
+}
+
+/// Kinds with a route that have ready or running jobs on another route (an
+/// enqueue whose REPEATABLE READ snapshot predates the last `route set`).
+pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"
+        SELECT r.kind FROM almanac.routes AS r
+        WHERE EXISTS (
+            SELECT 1 FROM almanac.jobs AS j
+            WHERE j.kind = r.kind AND j.status = 'ready' AND j.route <> r.mode)
+           OR EXISTS (
+            SELECT 1 FROM almanac.jobs AS j
+            WHERE j.kind = r.kind AND j.status = 'running' AND j.route <> r.mode)
+        ORDER BY r.kind
+        "#,
+    )
+    .fetch_all(db)
+    .await
+}
+
+/// Moves `kind`'s unfinished jobs to the route `almanac.routes` gives it.
+pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        r#"
+        UPDATE almanac.jobs AS j SET route = r.mode
+        FROM almanac.routes AS r
+        WHERE r.kind = j.kind AND j.kind = $1
+          AND j.status IN ('ready', 'running') AND j.route <> r.mode
+        "#,
+    )
+    .bind(kind)
+    .execute(conn)
+    .await?
+    .rows_affected())
+}
+
+/// Gives a fresh outbox row to `broker` jobs of kinds routed to `sink` that
+/// stayed ready and due longer than `after` with no row pending on their
+/// current route and none published there within `after`. Rows addressed
+/// elsewhere (a route since changed) do not count. At most 1,000 per call.
+pub async fn redrive<'e>(
+    db: impl PgExecutor<'e>,
+    sink: &str,
+    after: Duration,
+) -> Result<u64, sqlx::Error> {
+    let n: Option<i64> = sqlx::query_scalar(
+        r#"
+        WITH stranded AS (
+            SELECT j FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
+            WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
+              AND j.run_at <= now() - $2 * interval '1 millisecond'
+              AND NOT EXISTS (
+                  SELECT 1 FROM almanac.outbox o
+                  WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
+                    AND ((o.published_at IS NULL AND o.failed_at IS NULL)
+                         OR o.published_at > now() - $2 * interval '1 millisecond'))
+            LIMIT 1000
+        )
+        SELECT count(almanac.write_outbox(j)) FROM stranded
+        "#,
+    )
+    .bind(sink)
+    .bind(i64::try_from(after.as_millis()).unwrap_or(i64::MAX))
+    .fetch_one(db)
+    .await?;
+    Ok(n.unwrap_or(0) as u64)
+}
+
+/// Buries the jobs of outbox rows the broker rejected for good: a ready job
+/// on the `broker` route goes `dead` with the row's reason (nothing else can
+/// run it). A `dual` job stays ready for workers; a job already claimed or
+/// finished is left alone. Returns the ids buried.
+pub async fn bury_unpublishable(
+    conn: &mut PgConnection,
+    job_ids: &[i64],
+    reasons: &[String],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if job_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar(
+        r#"
+        UPDATE almanac.jobs AS j
+        SET status = 'dead', finished_at = clock_timestamp(),
+            last_error = 'the broker rejected its message for good: ' || f.reason
+        FROM unnest($1::bigint[], $2::text[]) AS f(id, reason)
+        WHERE j.id = f.id AND j.status = 'ready' AND j.route = 'broker'
+        RETURNING j.id
+        "#,
+    )
+    .bind(job_ids)
+    .bind(reasons)
+    .fetch_all(conn)
+    .await
+}

@@ -1,0 +1,157 @@
+//! A publisher that speaks to either sink and says, per row, whether the
+//! broker acknowledged it. One row's trouble stays that row's: a message over
+//! the size limit or a destination that cannot be prepared fails only the
+//! rows concerned; the others of the batch go out.
+
+use std::collections::HashMap;
+
+use super::{kafka::KafkaPublisher, rabbitmq::RabbitPublisher, OutboxRow};
+use crate::broker::{Plain, PublishError, SinkConfig, SinkError, SinkKind};
+
+pub struct Publisher {
+    inner: Inner,
+    max_message_bytes: usize,
+}
+
+enum Inner {
+    Kafka(KafkaPublisher),
+    Rabbit(Box<RabbitPublisher>),
+}
+
+impl Publisher {
+    pub fn new(sink: SinkKind, config: &SinkConfig) -> Result<Publisher, SinkError> {
+        let inner = match sink {
+            SinkKind::Kafka => {
+                Inner::Kafka(KafkaPublisher::new(config.kafka()?.to_string(), config)?)
+            }
+            SinkKind::Rabbitmq => {
+                let url = config.amqp()?.to_string();
+                Inner::Rabbit(Box::new(RabbitPublisher::new(url, config)))
+            }
+        };
+        Ok(Publisher {
+            inner,
+            max_message_bytes: config.max_message_bytes,
+        })
+    }
+
+    pub fn sink(&self) -> SinkKind {
+        match self.inner {
+            Inner::Kafka(_) => SinkKind::Kafka,
+            Inner::Rabbit(_) => SinkKind::Rabbitmq,
+        }
+    }
+
+    /// Makes sure the destination exists (topic; exchange, queue and binding).
+    pub async fn ensure(&mut self, destination: &str) -> Result<(), PublishError> {
+        match &mut self.inner {
+            Inner::Kafka(p) => p.ensure(destination).await,
+            Inner::Rabbit(p) => p.ensure(destination).await,
+        }
+    }
+
+    /// One result per row, in order: `Ok` only for an acknowledged publish.
+    /// Rows over `max_message_bytes` fail [`PublishError::Fatal`] without
+    /// being sent.
+    pub async fn publish(&mut self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
+        let in_flight = self.send(rows).await;
+        let results = in_flight.acks().await;
+        self.settle(rows, &results);
+        results
+    }
+
+    /// Prepares the destinations and hands `rows` to the broker without
+    /// waiting for acknowledgements: those come with [`InFlight::acks`], and
+    /// another batch may be sent meanwhile. Call [`Publisher::settle`] with
+    /// the results.
+    pub async fn send(&mut self, rows: &[OutboxRow]) -> InFlight {
+        let max_message_bytes = self.max_message_bytes;
+        let mut slots: Vec<Option<Pending>> = Vec::with_capacity(rows.len());
+        slots.resize_with(rows.len(), || None);
+        let mut prepared: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        let mut to_send = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            if row.payload.len() > max_message_bytes {
+                slots[i] = Some(ready(Err(too_large(row, max_message_bytes))));
+                continue;
+            }
+            if !prepared.contains_key(row.destination.as_str()) {
+                let result = self.ensure(&row.destination).await;
+                prepared.insert(&row.destination, result);
+            }
+            match &prepared[row.destination.as_str()] {
+                Ok(()) => to_send.push(i),
+                Err(e) => slots[i] = Some(ready(Err(e.clone()))),
+            }
+        }
+        if !to_send.is_empty() {
+            let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
+            let sent = match &mut self.inner {
+                Inner::Kafka(p) => p.send(&batch).await,
+                Inner::Rabbit(p) => p.send(&batch).await,
+            };
+            for (i, pending) in to_send.into_iter().zip(sent) {
+                slots[i] = Some(pending);
+            }
+        }
+        InFlight {
+            pending: slots
+                .into_iter()
+                .map(|s| s.expect("every row has a result"))
+                .collect(),
+        }
+    }
+
+    /// The publisher's own bookkeeping once a batch's results are in
+    /// (reconnect, recreate the producer, declare again).
+    pub fn settle(&mut self, rows: &[OutboxRow], results: &[Result<(), PublishError>]) {
+        match &mut self.inner {
+            Inner::Kafka(p) => p.settle(results),
+            Inner::Rabbit(p) => {
+                let rows: Vec<&OutboxRow> = rows.iter().collect();
+                p.settle(&rows, results)
+            }
+        }
+    }
+
+    /// Waits for anything in flight (Kafka) before shutdown.
+    pub async fn flush(&mut self) {
+        match &mut self.inner {
+            Inner::Kafka(p) => p.flush().await,
+            Inner::Rabbit(p) => p.close().await,
+        }
+    }
+}
+
+type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
+
+fn ready(result: Result<(), PublishError>) -> Pending {
+    Box::pin(std::future::ready(result))
+}
+
+/// A batch handed to the broker, its acknowledgements still to come.
+pub struct InFlight {
+    pending: Vec<Pending>,
+}
+
+impl InFlight {
+    /// One result per row, in order, once every acknowledgement is in (or
+    /// its deadline passed).
+    pub async fn acks(self) -> Vec<Result<(), PublishError>> {
+        futures::future::join_all(self.pending).await
+    }
+}
+
+fn too_large(row: &OutboxRow, limit: usize) -> PublishError {
+    PublishError::fatal(
+        format!(
+            "the message for `{}` is {} bytes, over the {limit}-byte limit",
+            row.destination,
+            row.payload.len()
+        ),
+        Plain(
+            "raise --max-message-bytes (and the broker's own limit) or send a smaller payload"
+                .into(),
+        ),
+    )
+}

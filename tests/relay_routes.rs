@@ -1,0 +1,271 @@
+//! Routes and outbox rows stay consistent: a kind moved to another sink or
+//! destination while its old relay is gone, and an enqueue whose REPEATABLE
+//! READ snapshot predates a route change. Against the real brokers.
+
+mod common;
+
+use std::time::Duration;
+
+use almanac::consumer::{Consumer, ConsumerConfig};
+use almanac::queue::{self, NewJob};
+use almanac::relay::outbox;
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::worker::WorkerConfig;
+use common::brokers::{self, unique};
+use common::{count, eventually};
+use sqlx::{Connection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.to_string(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: 4,
+            batch_size: 4,
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        },
+    };
+    Consumer::new(pool.clone(), brokers::sinks(), config)
+        .register("task", common::logging_handler(log, 1))
+}
+
+async fn ensure(sink: SinkKind, destination: &str) {
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(destination).await.unwrap();
+    publisher.flush().await;
+}
+
+async fn set(
+    pool: &PgPool,
+    mode: RouteMode,
+    sink: SinkKind,
+    destination: &str,
+) -> routes::RouteChange {
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        mode,
+        Some(sink),
+        Some(destination),
+    )
+    .await
+    .unwrap()
+}
+
+/// Runs a relay and a consumer on `sink`/`destination` until `jobs` jobs
+/// are done; asserts each ran exactly once.
+async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i64) {
+    let log = common::log_pool(pool, 4).await;
+    let stop = CancellationToken::new();
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config(),
+    );
+    let relay = tokio::spawn(relay.run(stop.clone()));
+    let consumer = tokio::spawn(consumer(pool, sink, destination, log).run(stop.clone()));
+    eventually("every job done", Duration::from_secs(120), || async {
+        count(
+            pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == jobs
+    })
+    .await;
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+    relay.await.unwrap();
+    assert_eq!(
+        count(pool, "SELECT count(*) FROM exec_log").await,
+        jobs,
+        "a job ran twice"
+    );
+    assert_eq!(
+        count(pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        jobs
+    );
+}
+
+// ---- a kind moved to another sink or destination; the old relay is gone ----
+
+async fn moving_a_kind_strands_nothing(pool: PgPool, from: SinkKind, to: SinkKind) {
+    common::create_exec_log(&pool).await;
+    let old = unique("old");
+    let new = unique("new");
+    ensure(from, &old).await;
+    ensure(to, &new).await;
+    set(&pool, RouteMode::Broker, from, &old).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let batch: Vec<NewJob> = (0..30)
+        .map(|i| NewJob::new("task").idempotency_key(format!("move:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    // The old sink's relay claimed a batch and died before publishing it:
+    // those rows are in flight under a lease that will not end for a minute.
+    let claimed = outbox::claim(&pool, from, 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows.len(), 10);
+
+    let change = set(&pool, RouteMode::Broker, to, &new).await;
+    assert_eq!(
+        change.rows_readdressed, 30,
+        "every pending row follows the kind"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            &format!(
+                "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND sink = '{to}' AND destination = '{new}' AND lease_token IS NULL AND available_at <= now()"
+            )
+        )
+        .await,
+        30,
+        "re-addressed rows are due now, in-flight leases voided"
+    );
+    // Marks by the dead relay's claim change nothing any more.
+    let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
+    assert_eq!(
+        outbox::mark_published(&pool, claimed.token, &ids)
+            .await
+            .unwrap(),
+        0
+    );
+    // Only the new sink's relay runs.
+    drain_and_run(&pool, to, &new, 30).await;
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL"
+        )
+        .await,
+        0
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_destination_change_with_the_old_relay_gone_runs_every_job_once(pool: PgPool) {
+    moving_a_kind_strands_nothing(pool, SinkKind::Rabbitmq, SinkKind::Rabbitmq).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_to_kafka_with_the_old_relay_gone_runs_every_job_once(pool: PgPool) {
+    moving_a_kind_strands_nothing(pool, SinkKind::Rabbitmq, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_to_rabbitmq_with_the_old_relay_gone_runs_every_job_once(pool: PgPool) {
+    moving_a_kind_strands_nothing(pool, SinkKind::Kafka, SinkKind::Rabbitmq).await;
+}
+
+// ---- a REPEATABLE READ snapshot older than the route ----
+
+/// An enqueue in a REPEATABLE READ transaction whose snapshot was taken
+/// before `route set` committed. `before` is the route at snapshot time
+/// (`None`: the kind had none, so `db`).
+async fn stale_snapshot_heals_in_one_sweep(pool: PgPool, before: Option<&str>) {
+    common::create_exec_log(&pool).await;
+    let sink = SinkKind::Rabbitmq;
+    let new = unique("rr-new");
+    ensure(sink, &new).await;
+    if let Some(old) = before {
+        ensure(sink, old).await;
+        set(&pool, RouteMode::Broker, sink, old).await;
+    }
+    let mut app = common::another_pool(&pool, 1)
+        .await
+        .acquire()
+        .await
+        .unwrap()
+        .detach();
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // The snapshot is taken by the transaction's first query.
+    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.routes")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    set(&pool, RouteMode::Broker, sink, &new).await;
+    queue::enqueue(&mut tx, &NewJob::new("task").idempotency_key("rr:1"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // The stale route, as the insert saw it.
+    let (route, rows_to_new): (String, i64) = sqlx::query_as(&format!(
+        "SELECT j.route, (SELECT count(*) FROM almanac.outbox o WHERE o.job_id = j.id AND o.destination = '{new}') \
+         FROM almanac.jobs j"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(route, if before.is_some() { "broker" } else { "db" });
+    assert_eq!(rows_to_new, 0, "the insert did not see the new destination");
+
+    // One reconcile sweep of a relay heals it.
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config(),
+    );
+    let healed = relay.reconcile().await.unwrap();
+    assert_eq!(healed.jobs_moved + healed.rows_readdressed, 1, "{healed:?}");
+    assert_eq!(
+        relay.reconcile().await.unwrap(),
+        routes::Reconciled::default(),
+        "nothing left to repair"
+    );
+    drain_and_run(&pool, sink, &new, 1).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn repeatable_read_enqueue_before_db_to_broker_is_reconciled(pool: PgPool) {
+    stale_snapshot_heals_in_one_sweep(pool, None).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn repeatable_read_enqueue_before_a_destination_change_is_reconciled(pool: PgPool) {
+    let old = unique("rr-old");
+    stale_snapshot_heals_in_one_sweep(pool, Some(&old)).await;
+}
+
+// ---- re-drive counts only rows on the job's current route ----
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn redrive_ignores_rows_addressed_to_an_old_destination(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    set(&pool, RouteMode::Broker, sink, "current").await;
+    let mut conn = pool.acquire().await.unwrap();
+    queue::enqueue(&mut conn, &NewJob::new("task"))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // A pending row that points somewhere the kind no longer goes.
+    sqlx::query("UPDATE almanac.outbox SET destination = 'elsewhere'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        almanac::relay::redrive(&pool, sink, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox WHERE destination = 'current' AND published_at IS NULL").await,
+        1
+    );
+}
