@@ -182,14 +182,23 @@ impl HttpServer {
     /// Serves until `shutdown` is cancelled.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), HttpError> {
         tracing::info!(addr = %self.local_addr(), "HTTP endpoint listening");
-        axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(HttpError::Serve)
+        let serving = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+        // Open connections get a moment to finish after the stop request; a
+        // client that never completes its request cannot hold the process.
+        let drained = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(DRAIN).await;
+        };
+        tokio::select! {
+            served = serving => served.map_err(HttpError::Serve),
+            _ = drained => Ok(()),
+        }
     }
 }
 
 const PROBE_DEADLINE: Duration = Duration::from_secs(2);
+const DRAIN: Duration = Duration::from_secs(3);
 
 async fn require_auth(
     State(auth): State<Arc<BasicAuth>>,

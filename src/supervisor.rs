@@ -27,12 +27,18 @@ pub enum SupervisorError {
     Panicked { role: &'static str, message: String },
     #[error("role `{role}` stopped on its own before shutdown was asked for")]
     Ended { role: &'static str },
+    #[error("role{} {} did not stop within {grace:?} of the stop request (or a second signal came); aborted", if roles.len() == 1 { "" } else { "s" }, roles.join(", "))]
+    Stuck {
+        roles: Vec<&'static str>,
+        grace: std::time::Duration,
+    },
 }
 
 pub struct Supervisor {
     token: CancellationToken,
     roles: JoinSet<anyhow::Result<()>>,
     names: HashMap<Id, &'static str>,
+    grace: std::time::Duration,
 }
 
 impl Default for Supervisor {
@@ -47,7 +53,17 @@ impl Supervisor {
             token: CancellationToken::new(),
             roles: JoinSet::new(),
             names: HashMap::new(),
+            grace: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// How long roles get to stop after the stop request (default 30 s; set
+    /// it above a worker's shutdown deadline). Past it, or at a second
+    /// SIGINT/SIGTERM, the roles left are aborted and the process fails: a
+    /// stop request always ends the process.
+    pub fn grace(mut self, grace: std::time::Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     pub fn token(&self) -> CancellationToken {
@@ -92,21 +108,51 @@ impl Supervisor {
             }
         }
         token.cancel();
-        while let Some(ended) = self.roles.join_next_with_id().await {
-            if let Some(failure) = self.judge(ended, true) {
-                error!(%failure, "during shutdown");
-                first.get_or_insert(failure);
+        let deadline = tokio::time::sleep(self.grace);
+        tokio::pin!(deadline);
+        let again = shutdown_signal();
+        tokio::pin!(again);
+        loop {
+            tokio::select! {
+                ended = self.roles.join_next_with_id() => {
+                    let Some(ended) = ended else { break };
+                    if let Some(failure) = self.judge(ended, true) {
+                        error!(%failure, "during shutdown");
+                        first.get_or_insert(failure);
+                    }
+                }
+                _ = &mut deadline => return Err(self.abort_stuck()),
+                _ = &mut again => return Err(self.abort_stuck()),
             }
         }
         first.map_or(Ok(()), Err)
     }
 
+    /// Aborts the roles still running and names them.
+    fn abort_stuck(&mut self) -> SupervisorError {
+        let mut roles: Vec<&'static str> = self.names.values().copied().collect();
+        roles.sort_unstable();
+        self.roles.abort_all();
+        let failure = SupervisorError::Stuck {
+            roles,
+            grace: self.grace,
+        };
+        error!(%failure, "stopping anyway");
+        failure
+    }
+
     fn judge(
-        &self,
+        &mut self,
         ended: Result<(Id, anyhow::Result<()>), tokio::task::JoinError>,
         stopping: bool,
     ) -> Option<SupervisorError> {
-        let name = |id: Id| self.names.get(&id).copied().unwrap_or("unknown");
+        let id = match &ended {
+            Ok((id, _)) => *id,
+            Err(err) => err.id(),
+        };
+        // An ended role is no longer running, whatever its result.
+        let role = self.names.remove(&id).unwrap_or("unknown");
+        let name = |_: Id| role;
         match ended {
             Ok((_, Ok(()))) if stopping => None,
             Ok((id, Ok(()))) => Some(SupervisorError::Ended { role: name(id) }),
@@ -128,26 +174,6 @@ impl Supervisor {
                 };
                 Some(SupervisorError::Panicked { role, message })
             }
-        }
-    }
-}
-
-/// Runs one role to its end: `start` gets the token to watch, which SIGINT or
-/// SIGTERM cancels; the role's own result is returned either way, so a role
-/// that fails makes its command fail.
-pub async fn until_signal<F, T>(start: impl FnOnce(CancellationToken) -> F) -> T
-where
-    F: Future<Output = T>,
-{
-    let token = CancellationToken::new();
-    let running = start(token.clone());
-    tokio::pin!(running);
-    tokio::select! {
-        result = &mut running => result,
-        signal = shutdown_signal() => {
-            info!(signal, "shutting down");
-            token.cancel();
-            running.await
         }
     }
 }
@@ -195,6 +221,25 @@ mod tests {
         });
         let err = sup.run_until(std::future::pending()).await.unwrap_err();
         assert_eq!(err.to_string(), "role `boom` panicked: bad state");
+    }
+
+    #[tokio::test]
+    async fn a_role_that_ignores_the_stop_request_is_aborted_after_the_grace() {
+        let mut sup = Supervisor::new().grace(std::time::Duration::from_millis(100));
+        sup.spawn("stubborn", async {
+            std::future::pending::<()>().await;
+            Ok::<_, anyhow::Error>(())
+        });
+        let token = sup.token();
+        sup.spawn("polite", async move {
+            token.cancelled().await;
+            Ok::<_, anyhow::Error>(())
+        });
+        let err = sup.run_until(async { "test" }).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "role stubborn did not stop within 100ms of the stop request (or a second signal came); aborted"
+        );
     }
 
     #[tokio::test]

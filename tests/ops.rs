@@ -623,3 +623,138 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// The relay's counters and the outbox gauges move when it publishes to a
+/// real broker (RabbitMQ).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
+    use almanac::relay::routes::{self, RouteMode};
+    use almanac::relay::{Publisher, Relay, SinkKind};
+    let sinks = common::brokers::sinks();
+    let destination = common::brokers::unique("metrics");
+    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "relayed",
+        RouteMode::Dual,
+        Some(SinkKind::Rabbitmq),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        queue::enqueue(&mut conn, &NewJob::new("relayed"))
+            .await
+            .unwrap();
+    }
+    let mut collector = Collector::new(pool.clone(), CollectorConfig::default());
+    collector.run_once().await.unwrap();
+    let before = almanac::metrics::global().render();
+    assert_eq!(
+        sample(&before, "almanac_outbox_backlog", &[("sink", "rabbitmq")]),
+        Some(3.0)
+    );
+    let published_before = sample(
+        &before,
+        "almanac_relay_published_total",
+        &[("sink", "rabbitmq")],
+    )
+    .unwrap_or(0.0);
+
+    let mut relay = Relay::new(pool.clone(), publisher, common::brokers::relay_config());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        relay.run_once().await.unwrap();
+        let published = count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NOT NULL",
+        )
+        .await;
+        if published == 3 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for the relay to publish 3 rows ({published} so far)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    collector.run_once().await.unwrap();
+    let after = almanac::metrics::global().render();
+    assert!(
+        sample(
+            &after,
+            "almanac_relay_published_total",
+            &[("sink", "rabbitmq")]
+        )
+        .unwrap()
+            >= published_before + 3.0,
+        "{after}"
+    );
+    assert_eq!(
+        sample(&after, "almanac_outbox_backlog", &[("sink", "rabbitmq")]),
+        Some(0.0)
+    );
+}
+
+/// `almanac work --http-addr` serves the probes and the process's counters.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn almanac_work_serves_http_when_asked(pool: PgPool) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut cmd = almanac();
+    cmd.args(["work", "--handler", "noop=true", "--poll-interval", "100ms"])
+        .args(["--http-addr", &addr])
+        .env("DATABASE_URL", common::database_url(&pool))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let child = std::sync::Mutex::new(KillOnDrop(Some(cmd.spawn().unwrap())));
+    eventually(
+        "almanac work to serve /healthz",
+        Duration::from_secs(30),
+        || async {
+            assert!(
+                child
+                    .lock()
+                    .unwrap()
+                    .0
+                    .as_mut()
+                    .unwrap()
+                    .try_wait()
+                    .unwrap()
+                    .is_none(),
+                "almanac work exited"
+            );
+            matches!(get(&addr, "/healthz").await, Ok(r) if r.status == 200)
+        },
+    )
+    .await;
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("noop"))
+        .await
+        .unwrap();
+    eventually(
+        "the job's completion to show in /metrics",
+        Duration::from_secs(30),
+        || async {
+            let body = get(&addr, "/metrics")
+                .await
+                .map(|r| r.body)
+                .unwrap_or_default();
+            sample(&body, "almanac_jobs_completed_total", &[("kind", "noop")]) == Some(1.0)
+        },
+    )
+    .await;
+    let child = child.into_inner().unwrap().0.take().unwrap();
+    sigterm(&child);
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}

@@ -393,3 +393,44 @@ async fn a_dropped_worker_renews_no_lease(pool: PgPool) {
         JobStatus::Ready
     );
 }
+
+/// An error text PostgreSQL cannot store (a NUL byte, as a command may write
+/// to stderr) still ends its job: the outcome is written with the byte
+/// replaced, the slot is freed, and the worker goes on with the next job.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn an_error_with_a_nul_byte_is_recorded_and_frees_its_slot(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let bad = queue::enqueue(&mut conn, &NewJob::new("nul"))
+        .await
+        .unwrap()
+        .id();
+    let good = queue::enqueue(&mut conn, &NewJob::new("ok"))
+        .await
+        .unwrap()
+        .id();
+    let worker = Worker::new(pool.clone(), config(Duration::from_secs(5), 1))
+        .register("nul", |_ctx: JobContext| async {
+            Err(HandlerError::permanent("bad\0byte"))
+        })
+        .register("ok", |_ctx: JobContext| async { Ok(()) });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually("both jobs to finish", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status IN ('done', 'dead')",
+        )
+        .await
+            == 2
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let job = queue::get(&pool, bad).await.unwrap();
+    assert_eq!(job.status, JobStatus::Dead);
+    assert!(job.last_error.unwrap().contains("bad\u{FFFD}byte"));
+    assert_eq!(
+        queue::get(&pool, good).await.unwrap().status,
+        JobStatus::Done
+    );
+}

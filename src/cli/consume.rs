@@ -6,8 +6,9 @@ use super::sinks::SinkFlags;
 use super::work::WorkerFlags;
 use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
+use crate::http::HttpAddr;
 use crate::relay::SinkKind;
-use crate::supervisor::until_signal;
+use crate::supervisor::Supervisor;
 use crate::worker::exec::parse_handler_spec;
 
 #[derive(Debug, clap::Args)]
@@ -26,11 +27,15 @@ pub struct Args {
     #[command(flatten)]
     worker: WorkerFlags,
     #[command(flatten)]
+    http: super::ops::HttpFlags,
+    #[command(flatten)]
     sinks: SinkFlags,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let worker = args.worker.resolve(ctx)?;
+    // Handlers get the shutdown deadline; the rest gets 15 s more.
+    let grace = worker.shutdown_deadline + std::time::Duration::from_secs(15);
     args.worker.warn_unset_pass_env();
     let sinks = args.sinks.resolve(ctx);
     if !sinks.configured().contains(&args.sink) {
@@ -43,6 +48,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             }
         );
     }
+    // Off unless set, so several workers can share a host.
+    let http = args.http.bind(ctx, HttpAddr::OFF).await?;
     let pool = ctx.migrated_pool(4).await?;
     let config = ConsumerConfig {
         sink: args.sink,
@@ -54,7 +61,16 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
-    let report = until_signal(|token| consumer.run(token)).await?;
-    tracing::info!(?report, "consumer stopped");
+    let mut supervisor = Supervisor::new().grace(grace);
+    if let Some(server) = http {
+        supervisor.spawn("http", server.run(supervisor.token()));
+    }
+    let token = supervisor.token();
+    supervisor.spawn("consumer", async move {
+        let report = consumer.run(token).await?;
+        tracing::info!(?report, "consumer stopped");
+        Ok::<_, anyhow::Error>(())
+    });
+    supervisor.run_until_signal().await?;
     Ok(())
 }

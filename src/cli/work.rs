@@ -4,7 +4,8 @@ use anyhow::bail;
 
 use super::Ctx;
 use crate::config::HumanDuration;
-use crate::supervisor::until_signal;
+use crate::http::HttpAddr;
+use crate::supervisor::Supervisor;
 use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
 
@@ -16,6 +17,8 @@ pub struct Args {
     handlers: Vec<(String, String)>,
     #[command(flatten)]
     worker: WorkerFlags,
+    #[command(flatten)]
+    http: super::ops::HttpFlags,
 }
 
 /// Worker settings shared by every command that runs handlers.
@@ -104,6 +107,8 @@ impl WorkerFlags {
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let config = args.worker.resolve(ctx)?;
+    // Handlers get the shutdown deadline; the rest gets 15 s more.
+    let grace = config.shutdown_deadline + std::time::Duration::from_secs(15);
     args.worker.warn_unset_pass_env();
     let mut kinds: Vec<&str> = args.handlers.iter().map(|(k, _)| k.as_str()).collect();
     kinds.sort_unstable();
@@ -113,12 +118,23 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             pair[0]
         );
     }
+    // Off unless set, so several workers can share a host.
+    let http = args.http.bind(ctx, HttpAddr::OFF).await?;
     let pool = ctx.migrated_pool(4).await?;
     let mut worker = Worker::new(pool, config);
     for (kind, command) in args.handlers {
         worker = worker.register(kind, args.worker.exec_handler(ctx, command));
     }
-    let report = until_signal(|token| worker.run(token)).await?;
-    tracing::info!(?report, "worker stopped");
+    let mut supervisor = Supervisor::new().grace(grace);
+    if let Some(server) = http {
+        supervisor.spawn("http", server.run(supervisor.token()));
+    }
+    let token = supervisor.token();
+    supervisor.spawn("worker", async move {
+        let report = worker.run(token).await?;
+        tracing::info!(?report, "worker stopped");
+        Ok::<_, anyhow::Error>(())
+    });
+    supervisor.run_until_signal().await?;
     Ok(())
 }

@@ -203,7 +203,7 @@ pub async fn fail<'e>(
     .bind(token)
     .bind(permanent)
     .bind(millis(delay))
-    .bind(error)
+    .bind(super::storable(error))
     .fetch_optional(db)
     .await?;
     Ok(match status {
@@ -276,7 +276,7 @@ pub async fn release<'e>(
     )
     .bind(&ids)
     .bind(&tokens)
-    .bind(reason)
+    .bind(super::storable(reason))
     .fetch_all(db)
     .await?;
     Ok(released)

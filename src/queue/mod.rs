@@ -56,6 +56,17 @@ pub use lease::{
 };
 pub use retention::delete_finished;
 
+/// `text` as PostgreSQL can store it: a NUL byte (which a command may write
+/// to stderr) is refused in `text` columns, and an outcome that can never be
+/// written would keep its job `running`; it becomes U+FFFD.
+pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        std::borrow::Cow::Owned(text.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
+}
+
 /// Where a job stands in the state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type, Serialize)]
 #[sqlx(type_name = "text", rename_all = "lowercase")]

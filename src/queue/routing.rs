@@ -115,7 +115,12 @@ pub async fn bury_unpublishable(
         "#,
     )
     .bind(job_ids)
-    .bind(reasons)
+    .bind(
+        reasons
+            .iter()
+            .map(|r| super::storable(r).into_owned())
+            .collect::<Vec<_>>(),
+    )
     .fetch_all(conn)
     .await
 }

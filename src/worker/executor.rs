@@ -133,6 +133,12 @@ struct Flight {
     renewed: Instant,
     /// When the handler was handed the job.
     started: Instant,
+    /// When the handler returned and its outcome went to the recorder.
+    /// Heartbeats stop renewing a lease whose outcome has been pending a
+    /// whole lease, so an outcome that can never be written (a value the
+    /// database rejects every time) reaches its local deadline and is given
+    /// up, instead of holding the job `running` and its slot forever.
+    returned: Option<Instant>,
     reply: Option<oneshot::Sender<Executed>>,
     /// Freed when the flight is settled.
     _slot: OwnedSemaphorePermit,
@@ -276,6 +282,7 @@ impl Executor {
                 cancel: cancel.clone(),
                 renewed: sent,
                 started: Instant::now(),
+                returned: None,
                 reply: Some(reply),
                 _slot: slot,
             },
@@ -554,6 +561,9 @@ async fn execute(
         }
         Some(Err(err)) => Write::Fail(failure_of(&err, attempt, &inner.config.backoff)),
     };
+    if let Some(flight) = inner.flights().get_mut(&id).filter(|f| f.token == token) {
+        flight.returned = Some(Instant::now());
+    }
     let _ = outcomes.send(Outcome {
         id,
         token,
@@ -573,9 +583,11 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let lease = inner.config.lease;
         let leases: Vec<(i64, Uuid)> = inner
             .flights()
             .iter()
+            .filter(|(_, f)| f.returned.is_none_or(|at| at.elapsed() < lease))
             .map(|(id, f)| (*id, f.token))
             .collect();
         if leases.is_empty() {
