@@ -539,7 +539,7 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
         cmd.arg("--schedules").arg(dir.join("none"));
         output(cmd)
     };
-    let cases: [(&[&str], Option<&str>, &str); 6] = [
+    let cases: [(&[&str], Option<&str>, &str); 8] = [
         (
             &["--http-addr", "nowhere"],
             None,
@@ -570,12 +570,37 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
             None,
             "--http-addr 0.0.0.0:0 is reachable beyond this machine; set --http-basic-auth",
         ),
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--amqp-url",
+                "amqp://guest:s3cret@127.0.0.1:5672/%2f",
+                "--max-message-bytes",
+                "0",
+            ],
+            None,
+            "--max-message-bytes must be at least 1024, got 0",
+        ),
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--kafka-brokers",
+                "127.0.0.1:9092",
+                "--ack-timeout",
+                "0s",
+            ],
+            None,
+            "--ack-timeout ([relay] ack_timeout) must be at least 100ms",
+        ),
     ];
     for (args, config, expected) in cases {
         let out = run(args, config);
         assert!(!out.status.success(), "{args:?} must fail");
         let err = text(&out.stderr);
         assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(!err.contains("s3cret"), "no password in errors: {err}");
     }
     // A port already in use.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -72,6 +72,38 @@ pub struct SinkConfig {
     pub max_message_bytes: usize,
 }
 
+impl SinkConfig {
+    /// Refuses settings that would fail every row (and so bury every
+    /// broker job) or hang the relay; the message names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.kafka_partitions < 1 {
+            return Err(format!(
+                "--kafka-partitions ([relay] kafka_partitions) must be at least 1, got {}",
+                self.kafka_partitions
+            ));
+        }
+        if self.kafka_replication < 1 && self.kafka_replication != -1 {
+            return Err(format!(
+                "--kafka-replication ([relay] kafka_replication) must be at least 1 (or -1 for the broker's default), got {}",
+                self.kafka_replication
+            ));
+        }
+        if self.ack_timeout < Duration::from_millis(100) {
+            return Err(format!(
+                "--ack-timeout ([relay] ack_timeout) must be at least 100ms, got {:?}",
+                self.ack_timeout
+            ));
+        }
+        if self.max_message_bytes < 1024 {
+            return Err(format!(
+                "--max-message-bytes must be at least 1024, got {}",
+                self.max_message_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for SinkConfig {
     fn default() -> Self {
         SinkConfig {

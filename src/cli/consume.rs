@@ -37,7 +37,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     // Handlers get the shutdown deadline; the rest gets 15 s more.
     let grace = worker.shutdown_deadline + std::time::Duration::from_secs(15);
     args.worker.warn_unset_pass_env();
-    let sinks = args.sinks.resolve(ctx);
+    let sinks = args.sinks.resolve(ctx)?;
     if !sinks.configured().contains(&args.sink) {
         bail!(
             "--sink {} needs {}",

@@ -87,7 +87,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             if let (RouteMode::Dual | RouteMode::Broker, Some(sink_kind), Some(dest)) =
                 (mode, sink_kind, &dest)
             {
-                let config = sinks.resolve(ctx);
+                let config = sinks.resolve(ctx)?;
                 match broker::ensure_destination(sink_kind, &config, dest).await {
                     Err(err @ broker::SinkError::NotConfigured { .. }) => {
                         return Err(anyhow::Error::new(err).context("the route was not changed"))

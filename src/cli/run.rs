@@ -68,7 +68,7 @@ pub struct Args {
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
-    let sinks = args.sinks.resolve(ctx);
+    let sinks = args.sinks.resolve(ctx)?;
     let explicit: Option<Vec<String>> = if !args.roles.is_empty() {
         Some(args.roles.clone())
     } else {

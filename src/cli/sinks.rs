@@ -32,10 +32,10 @@ pub struct SinkFlags {
 
 impl SinkFlags {
     /// Flags and environment first, then `[relay]` in the config file.
-    pub fn resolve(&self, ctx: &Ctx) -> SinkConfig {
+    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<SinkConfig> {
         let file = &ctx.config.relay;
         let defaults = SinkConfig::default();
-        SinkConfig {
+        let config = SinkConfig {
             kafka_brokers: self
                 .kafka_brokers
                 .clone()
@@ -59,7 +59,9 @@ impl SinkFlags {
                 .or(file.ack_timeout)
                 .map_or(defaults.ack_timeout, |d| d.0),
             max_message_bytes: self.max_message_bytes.unwrap_or(defaults.max_message_bytes),
-        }
+        };
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
     }
 }
 
