@@ -77,7 +77,14 @@ pub fn parse_url(url: &str) -> Result<PgConnectOptions, DbError> {
 
 /// Connects a pool, creating the database first when it does not exist.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
-    let options = parse_url(url)?.application_name("almanac");
+    connect_with(parse_url(url)?.application_name("almanac"), max_connections).await
+}
+
+/// As [`connect`], from parsed options.
+pub async fn connect_with(
+    options: PgConnectOptions,
+    max_connections: u32,
+) -> Result<PgPool, DbError> {
     let target = Target::of(&options);
     ensure_database(&options, &target).await?;
     PgPoolOptions::new()

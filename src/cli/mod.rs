@@ -3,6 +3,7 @@
 //! status 1 (2 for usage errors, from clap).
 
 mod backfill;
+mod bench;
 mod consume;
 mod enqueue;
 mod janitor;
@@ -58,6 +59,8 @@ enum Command {
     Stats(stats::Args),
     /// Run the service roles (scheduler, reaper, janitor, metrics, relay) until SIGINT/SIGTERM.
     Run(run::Args),
+    /// Measure the queue on this database (a scratch database, dropped after).
+    Bench(bench::Args),
     /// Delete finished jobs and published outbox rows past retention.
     Janitor(janitor::Args),
     /// Run jobs with shell-command handlers until SIGINT/SIGTERM.
@@ -176,6 +179,7 @@ pub async fn main() -> ExitCode {
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,
         Command::Janitor(args) => janitor::run(&ctx, args).await,
+        Command::Bench(args) => bench::run(&ctx, args).await,
         Command::Work(args) => work::run(&ctx, args).await,
         Command::Schedules(args) => schedules::run(&ctx, args).await,
         Command::Backfill(args) => backfill::run_backfill(&ctx, args).await,

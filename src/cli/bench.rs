@@ -1,0 +1,397 @@
+//! `almanac bench`: how fast the queue runs on *your* database, every figure
+//! from the same run, on a scratch database (`almanac_bench_<pid>`, created
+//! next to the configured one and dropped after).
+//!
+//! - **raw**: the runtime's own claim and complete statements (`queue::claim`,
+//!   `queue::complete_many`) driven by `--connections` concurrent connections
+//!   with nothing in between, at batch 1, 10, 100 and 1000: the ceiling.
+//! - **runtime**: the worker runtime burning down `--jobs` no-op jobs with its
+//!   default settings, and with tuned ones (`--tuned-*`).
+//! - **latency**: enqueue commit to handler start, jobs enqueued one at a time
+//!   into an idle queue, with LISTEN/NOTIFY and with polling only.
+//! - **exec**: the shell-command handler running `true`.
+//! - **cost**: WAL bytes per job (enqueue, claim, complete) and dead tuples
+//!   left in the jobs table after the burn-down.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde::Serialize;
+use sqlx::{Connection, PgPool};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::Ctx;
+use crate::db;
+use crate::queue::{self, Claim};
+use crate::worker::exec::ExecHandler;
+use crate::worker::{JobContext, Worker, WorkerConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// No-op jobs for each runtime burn-down.
+    #[arg(long, default_value_t = 100_000)]
+    jobs: u64,
+    /// Concurrent connections driving the raw statements.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Jobs enqueued one at a time for each latency figure.
+    #[arg(long, default_value_t = 1000)]
+    latency_jobs: usize,
+    /// Jobs for the exec handler figure.
+    #[arg(long, default_value_t = 5000)]
+    exec_jobs: u64,
+    /// Tuned runtime: handlers at once.
+    #[arg(long, default_value_t = 200)]
+    tuned_concurrency: usize,
+    /// Tuned runtime: jobs per claim.
+    #[arg(long, default_value_t = 100)]
+    tuned_batch_size: usize,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Percentiles {
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    jobs: u64,
+    connections: usize,
+    /// Batch size -> jobs/s.
+    raw_jobs_per_s: BTreeMap<usize, f64>,
+    runtime_default_jobs_per_s: f64,
+    runtime_tuned_jobs_per_s: f64,
+    tuned_settings: String,
+    latency_listen_ms: Percentiles,
+    latency_poll_ms: Percentiles,
+    poll_interval_ms: u64,
+    exec_jobs_per_s: f64,
+    wal_bytes_per_job: f64,
+    dead_tuples: i64,
+}
+
+const KIND: &str = "bench";
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(args.jobs > 0, "--jobs must be at least 1");
+    anyhow::ensure!(args.connections > 0, "--connections must be at least 1");
+    anyhow::ensure!(args.latency_jobs > 0, "--latency-jobs must be at least 1");
+    let base = ctx.connect_options()?;
+    let name = format!("almanac_bench_{}", std::process::id());
+    let options = base.clone().database(&name).application_name("almanac-bench");
+    let pool = db::connect_with(options.clone(), (args.connections as u32 + 2).max(12)).await?;
+    db::migrate(&pool).await?;
+    let result = measure(&pool, &args).await;
+    pool.close().await;
+    drop_database(&base, &name).await;
+    let report = result?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+async fn drop_database(base: &sqlx::postgres::PgConnectOptions, name: &str) {
+    let admin = base.clone().database("postgres");
+    match sqlx::PgConnection::connect_with(&admin).await {
+        Ok(mut conn) => {
+            if let Err(err) = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .execute(&mut conn)
+                .await
+            {
+                tracing::warn!(%err, database = name, "could not drop the scratch database; drop it by hand");
+            }
+        }
+        Err(err) => {
+            tracing::warn!(%err, database = name, "could not drop the scratch database; drop it by hand")
+        }
+    }
+}
+
+async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
+    let mut raw = BTreeMap::new();
+    for batch in [1usize, 10, 100, 1000] {
+        // Small batches are slow: size each run to take seconds, not minutes.
+        let n = (batch as u64 * 2000).clamp(2000, args.jobs.max(2000));
+        fill(pool, n).await?;
+        raw.insert(batch, raw_burn(pool, args.connections, batch, n).await?);
+        eprintln!("raw batch {batch}: {:.0} jobs/s", raw[&batch]);
+    }
+
+    vacuum(pool).await?;
+    let wal_before = wal_lsn(pool).await?;
+    fill(pool, args.jobs).await?;
+    let default = burn(pool, WorkerConfig::default()).await?;
+    let wal_after = wal_lsn(pool).await?;
+    let dead_tuples = dead_tuples(pool).await?;
+    eprintln!("runtime (defaults): {default:.0} jobs/s");
+
+    vacuum(pool).await?;
+    let tuned_config = WorkerConfig {
+        concurrency: args.tuned_concurrency,
+        batch_size: args.tuned_batch_size,
+        poll_interval: Duration::from_millis(10),
+        ..WorkerConfig::default()
+    };
+    let tuned_settings = format!(
+        "--concurrency {} --batch-size {} --poll-interval 10ms",
+        args.tuned_concurrency, args.tuned_batch_size
+    );
+    fill(pool, args.jobs).await?;
+    let tuned = burn(pool, tuned_config).await?;
+    eprintln!("runtime (tuned): {tuned:.0} jobs/s");
+
+    let listen = latency(pool, true, args.latency_jobs).await?;
+    let poll_interval = Duration::from_millis(100);
+    let poll = latency_polling(pool, poll_interval, args.latency_jobs).await?;
+
+    vacuum(pool).await?;
+    fill(pool, args.exec_jobs).await?;
+    let exec = burn_exec(pool).await?;
+
+    Ok(Report {
+        jobs: args.jobs,
+        connections: args.connections,
+        raw_jobs_per_s: raw,
+        runtime_default_jobs_per_s: default,
+        runtime_tuned_jobs_per_s: tuned,
+        tuned_settings,
+        latency_listen_ms: listen,
+        latency_poll_ms: poll,
+        poll_interval_ms: poll_interval.as_millis() as u64,
+        exec_jobs_per_s: exec,
+        wal_bytes_per_job: (wal_after - wal_before) as f64 / args.jobs as f64,
+        dead_tuples,
+    })
+}
+
+/// `n` ready no-op jobs, due now, in one statement.
+async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
+    sqlx::query("DELETE FROM almanac.jobs").execute(pool).await?;
+    sqlx::query(
+        "INSERT INTO almanac.jobs (kind, run_at) SELECT $1, now() - interval '1 second' FROM generate_series(1, $2)",
+    )
+    .bind(KIND)
+    .bind(n as i64)
+    .execute(pool)
+    .await
+    .context("filling the scratch queue")?;
+    sqlx::query("ANALYZE almanac.jobs").execute(pool).await?;
+    Ok(())
+}
+
+async fn vacuum(pool: &PgPool) -> anyhow::Result<()> {
+    sqlx::query("DELETE FROM almanac.jobs").execute(pool).await?;
+    sqlx::query("VACUUM almanac.jobs").execute(pool).await?;
+    Ok(())
+}
+
+async fn wal_lsn(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn dead_tuples(pool: &PgPool) -> anyhow::Result<i64> {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .ok();
+    Ok(sqlx::query_scalar(
+        "SELECT coalesce(n_dead_tup, 0) FROM pg_stat_user_tables WHERE relid = 'almanac.jobs'::regclass",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// The raw statements: each connection claims `batch` and completes them.
+async fn raw_burn(pool: &PgPool, connections: usize, batch: usize, n: u64) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..connections {
+        let pool = pool.clone();
+        tasks.spawn(async move {
+            let kinds = [KIND.to_string()];
+            let mut conn = pool.acquire().await?;
+            loop {
+                let jobs = queue::claim(
+                    &mut *conn,
+                    &Claim {
+                        kinds: &kinds,
+                        limit: batch as i64,
+                        lease: Duration::from_secs(60),
+                    },
+                )
+                .await?;
+                if jobs.is_empty() {
+                    return Ok::<_, anyhow::Error>(());
+                }
+                let leases: Vec<_> = jobs
+                    .iter()
+                    .map(|j| (j.id, j.lease_token.expect("claimed")))
+                    .collect();
+                queue::complete_many(&mut *conn, &leases).await?;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Burns down the queue with the worker runtime; jobs/s until the last
+/// outcome is recorded.
+async fn burn(pool: &PgPool, config: WorkerConfig) -> anyhow::Result<f64> {
+    let ran = Arc::new(AtomicU64::new(0));
+    let counter = ran.clone();
+    let worker = Worker::new(pool.clone(), config).register(KIND, move |_ctx: JobContext| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Ok(()) }
+    });
+    timed_burn(pool, worker).await
+}
+
+async fn burn_exec(pool: &PgPool) -> anyhow::Result<f64> {
+    let worker = Worker::new(pool.clone(), WorkerConfig::default()).register(KIND, ExecHandler::new("true"));
+    timed_burn(pool, worker).await
+}
+
+async fn timed_burn(pool: &PgPool, worker: Worker) -> anyhow::Result<f64> {
+    let stop = CancellationToken::new();
+    let started = Instant::now();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM almanac.jobs WHERE status = 'ready')
+                  + (SELECT count(*) FROM almanac.jobs WHERE status = 'running')",
+        )
+        .fetch_one(pool)
+        .await?;
+        if left == 0 {
+            break;
+        }
+        if running.is_finished() {
+            anyhow::bail!("the worker stopped with {left} jobs left");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed();
+    stop.cancel();
+    running.await??;
+    let done: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.jobs WHERE status = 'done'")
+        .fetch_one(pool)
+        .await?;
+    Ok(done as f64 / elapsed.as_secs_f64())
+}
+
+/// Enqueue commit -> handler start, one job at a time into an idle queue.
+async fn latency(pool: &PgPool, listen: bool, samples: usize) -> anyhow::Result<Percentiles> {
+    let config = WorkerConfig {
+        listen,
+        ..WorkerConfig::default()
+    };
+    sampled_latency(pool, config, samples).await
+}
+
+async fn latency_polling(pool: &PgPool, poll: Duration, samples: usize) -> anyhow::Result<Percentiles> {
+    let config = WorkerConfig {
+        listen: false,
+        poll_interval: poll,
+        ..WorkerConfig::default()
+    };
+    sampled_latency(pool, config, samples).await
+}
+
+async fn sampled_latency(pool: &PgPool, config: WorkerConfig, samples: usize) -> anyhow::Result<Percentiles> {
+    vacuum(pool).await?;
+    let started_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let started = Arc::new(Notify::new());
+    let (slot, signal) = (started_at.clone(), started.clone());
+    let worker = Worker::new(pool.clone(), config).register(KIND, move |_ctx: JobContext| {
+        *slot.lock().expect("latency slot") = Some(Instant::now());
+        signal.notify_one();
+        async { Ok(()) }
+    });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    // Let the worker settle (LISTEN connected, first idle poll done).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut millis = Vec::with_capacity(samples);
+    let mut conn = pool.acquire().await?;
+    for _ in 0..samples {
+        *started_at.lock().expect("latency slot") = None;
+        queue::enqueue(&mut conn, &queue::NewJob::new(KIND)).await?;
+        let committed = Instant::now();
+        tokio::time::timeout(Duration::from_secs(30), started.notified())
+            .await
+            .context("a job did not start within 30 s")?;
+        let at = started_at
+            .lock()
+            .expect("latency slot")
+            .context("the handler signalled without a start time")?;
+        millis.push(at.saturating_duration_since(committed).as_secs_f64() * 1000.0);
+    }
+    stop.cancel();
+    running.await??;
+    millis.sort_by(f64::total_cmp);
+    let at = |q: f64| millis[((millis.len() as f64 * q).ceil() as usize).clamp(1, millis.len()) - 1];
+    Ok(Percentiles {
+        p50: at(0.50),
+        p99: at(0.99),
+        max: *millis.last().expect("at least one sample"),
+    })
+}
+
+fn print_table(r: &Report) {
+    println!("almanac bench: {} jobs per burn-down, {} raw connections", r.jobs, r.connections);
+    println!();
+    println!("{:<44} {:>14}", "what", "jobs/s");
+    for (batch, rate) in &r.raw_jobs_per_s {
+        println!("{:<44} {:>14.0}", format!("raw claim + complete, batch {batch}"), rate);
+    }
+    let best = r.raw_jobs_per_s.values().copied().fold(0.0, f64::max);
+    println!(
+        "{:<44} {:>14.0}  ({:.2} of best raw)",
+        "worker runtime, default settings",
+        r.runtime_default_jobs_per_s,
+        r.runtime_default_jobs_per_s / best
+    );
+    println!(
+        "{:<44} {:>14.0}  ({:.2} of best raw)",
+        "worker runtime, tuned",
+        r.runtime_tuned_jobs_per_s,
+        r.runtime_tuned_jobs_per_s / best
+    );
+    println!("  tuned: {}", r.tuned_settings);
+    println!("{:<44} {:>14.0}", "exec handler (`true`), default settings", r.exec_jobs_per_s);
+    println!();
+    println!("{:<44} {:>8} {:>8} {:>8}", "enqueue commit -> handler start (ms)", "p50", "p99", "max");
+    println!(
+        "{:<44} {:>8.2} {:>8.2} {:>8.2}",
+        "LISTEN/NOTIFY", r.latency_listen_ms.p50, r.latency_listen_ms.p99, r.latency_listen_ms.max
+    );
+    println!(
+        "{:<44} {:>8.2} {:>8.2} {:>8.2}",
+        format!("polling only, every {} ms", r.poll_interval_ms),
+        r.latency_poll_ms.p50,
+        r.latency_poll_ms.p99,
+        r.latency_poll_ms.max
+    );
+    println!();
+    println!("WAL per job (enqueue + claim + complete): {:.0} bytes", r.wal_bytes_per_job);
+    println!("dead tuples in almanac.jobs after the default burn-down: {}", r.dead_tuples);
+}
