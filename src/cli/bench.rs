@@ -87,7 +87,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(args.latency_jobs > 0, "--latency-jobs must be at least 1");
     let base = ctx.connect_options()?;
     let name = format!("almanac_bench_{}", std::process::id());
-    let options = base.clone().database(&name).application_name("almanac-bench");
+    let options = base
+        .clone()
+        .database(&name)
+        .application_name("almanac-bench");
     let pool = db::connect_with(options.clone(), (args.connections as u32 + 2).max(12)).await?;
     db::migrate(&pool).await?;
     let result = measure(&pool, &args).await;
@@ -106,9 +109,10 @@ async fn drop_database(base: &sqlx::postgres::PgConnectOptions, name: &str) {
     let admin = base.clone().database("postgres");
     match sqlx::PgConnection::connect_with(&admin).await {
         Ok(mut conn) => {
-            if let Err(err) = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                .execute(&mut conn)
-                .await
+            if let Err(err) =
+                sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .execute(&mut conn)
+                    .await
             {
                 tracing::warn!(%err, database = name, "could not drop the scratch database; drop it by hand");
             }
@@ -178,7 +182,9 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
 
 /// `n` ready no-op jobs, due now, in one statement.
 async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs").execute(pool).await?;
+    sqlx::query("DELETE FROM almanac.jobs")
+        .execute(pool)
+        .await?;
     sqlx::query(
         "INSERT INTO almanac.jobs (kind, run_at) SELECT $1, now() - interval '1 second' FROM generate_series(1, $2)",
     )
@@ -192,17 +198,19 @@ async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
 }
 
 async fn vacuum(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs").execute(pool).await?;
+    sqlx::query("DELETE FROM almanac.jobs")
+        .execute(pool)
+        .await?;
     sqlx::query("VACUUM almanac.jobs").execute(pool).await?;
     Ok(())
 }
 
 async fn wal_lsn(pool: &PgPool) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint",
+    Ok(
+        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            .fetch_one(pool)
+            .await?,
     )
-    .fetch_one(pool)
-    .await?)
 }
 
 async fn dead_tuples(pool: &PgPool) -> anyhow::Result<i64> {
@@ -266,7 +274,8 @@ async fn burn(pool: &PgPool, config: WorkerConfig) -> anyhow::Result<f64> {
 }
 
 async fn burn_exec(pool: &PgPool) -> anyhow::Result<f64> {
-    let worker = Worker::new(pool.clone(), WorkerConfig::default()).register(KIND, ExecHandler::new("true"));
+    let worker =
+        Worker::new(pool.clone(), WorkerConfig::default()).register(KIND, ExecHandler::new("true"));
     timed_burn(pool, worker).await
 }
 
@@ -307,7 +316,11 @@ async fn latency(pool: &PgPool, listen: bool, samples: usize) -> anyhow::Result<
     sampled_latency(pool, config, samples).await
 }
 
-async fn latency_polling(pool: &PgPool, poll: Duration, samples: usize) -> anyhow::Result<Percentiles> {
+async fn latency_polling(
+    pool: &PgPool,
+    poll: Duration,
+    samples: usize,
+) -> anyhow::Result<Percentiles> {
     let config = WorkerConfig {
         listen: false,
         poll_interval: poll,
@@ -316,7 +329,11 @@ async fn latency_polling(pool: &PgPool, poll: Duration, samples: usize) -> anyho
     sampled_latency(pool, config, samples).await
 }
 
-async fn sampled_latency(pool: &PgPool, config: WorkerConfig, samples: usize) -> anyhow::Result<Percentiles> {
+async fn sampled_latency(
+    pool: &PgPool,
+    config: WorkerConfig,
+    samples: usize,
+) -> anyhow::Result<Percentiles> {
     vacuum(pool).await?;
     let started_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let started = Arc::new(Notify::new());
@@ -348,7 +365,8 @@ async fn sampled_latency(pool: &PgPool, config: WorkerConfig, samples: usize) ->
     stop.cancel();
     running.await??;
     millis.sort_by(f64::total_cmp);
-    let at = |q: f64| millis[((millis.len() as f64 * q).ceil() as usize).clamp(1, millis.len()) - 1];
+    let at =
+        |q: f64| millis[((millis.len() as f64 * q).ceil() as usize).clamp(1, millis.len()) - 1];
     Ok(Percentiles {
         p50: at(0.50),
         p99: at(0.99),
@@ -357,11 +375,18 @@ async fn sampled_latency(pool: &PgPool, config: WorkerConfig, samples: usize) ->
 }
 
 fn print_table(r: &Report) {
-    println!("almanac bench: {} jobs per burn-down, {} raw connections", r.jobs, r.connections);
+    println!(
+        "almanac bench: {} jobs per burn-down, {} raw connections",
+        r.jobs, r.connections
+    );
     println!();
     println!("{:<44} {:>14}", "what", "jobs/s");
     for (batch, rate) in &r.raw_jobs_per_s {
-        println!("{:<44} {:>14.0}", format!("raw claim + complete, batch {batch}"), rate);
+        println!(
+            "{:<44} {:>14.0}",
+            format!("raw claim + complete, batch {batch}"),
+            rate
+        );
     }
     let best = r.raw_jobs_per_s.values().copied().fold(0.0, f64::max);
     println!(
@@ -377,9 +402,15 @@ fn print_table(r: &Report) {
         r.runtime_tuned_jobs_per_s / best
     );
     println!("  tuned: {}", r.tuned_settings);
-    println!("{:<44} {:>14.0}", "exec handler (`true`), default settings", r.exec_jobs_per_s);
+    println!(
+        "{:<44} {:>14.0}",
+        "exec handler (`true`), default settings", r.exec_jobs_per_s
+    );
     println!();
-    println!("{:<44} {:>8} {:>8} {:>8}", "enqueue commit -> handler start (ms)", "p50", "p99", "max");
+    println!(
+        "{:<44} {:>8} {:>8} {:>8}",
+        "enqueue commit -> handler start (ms)", "p50", "p99", "max"
+    );
     println!(
         "{:<44} {:>8.2} {:>8.2} {:>8.2}",
         "LISTEN/NOTIFY", r.latency_listen_ms.p50, r.latency_listen_ms.p99, r.latency_listen_ms.max
@@ -392,6 +423,12 @@ fn print_table(r: &Report) {
         r.latency_poll_ms.max
     );
     println!();
-    println!("WAL per job (enqueue + claim + complete): {:.0} bytes", r.wal_bytes_per_job);
-    println!("dead tuples in almanac.jobs after the default burn-down: {}", r.dead_tuples);
+    println!(
+        "WAL per job (enqueue + claim + complete): {:.0} bytes",
+        r.wal_bytes_per_job
+    );
+    println!(
+        "dead tuples in almanac.jobs after the default burn-down: {}",
+        r.dead_tuples
+    );
 }
