@@ -109,7 +109,7 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     stop.cancel();
     worker.await.unwrap().unwrap();
     let consumed = consumer.await.unwrap().unwrap();
-    relay.await.unwrap();
+    relay.await.unwrap().unwrap();
 
     assert_eq!(
         count(&pool, "SELECT count(*) FROM exec_log").await,

@@ -304,7 +304,7 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
     for c in consumers {
         by_consumers += c.await.unwrap().unwrap().executed;
     }
-    relay.await.unwrap();
+    relay.await.unwrap().unwrap();
     assert_each_job_ran_once(&pool, 5000).await;
     let by_workers = count(&pool, "SELECT count(*) FROM exec_log WHERE worker = 0").await;
     assert_eq!(by_workers + by_consumers as i64, 5000);

@@ -81,7 +81,7 @@ async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i
     .await;
     stop.cancel();
     consumer.await.unwrap().unwrap();
-    relay.await.unwrap();
+    relay.await.unwrap().unwrap();
     assert_eq!(
         count(pool, "SELECT count(*) FROM exec_log").await,
         jobs,

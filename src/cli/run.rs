@@ -204,10 +204,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             }
         });
         let token = supervisor.token();
-        supervisor.spawn("scheduler", async move {
-            scheduler.run(token, reload_rx).await;
-            Ok::<_, anyhow::Error>(())
-        });
+        supervisor.spawn("scheduler", scheduler.run(token, reload_rx));
     }
     if wants("reaper") {
         supervisor.spawn(
@@ -230,10 +227,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for publisher in publishers {
         let relay = Relay::new(pool.clone(), publisher, relay.clone());
         let token = supervisor.token();
-        supervisor.spawn("relay", async move {
-            relay.run(token).await;
-            Ok::<_, anyhow::Error>(())
-        });
+        supervisor.spawn("relay", relay.run(token));
     }
     tracing::info!(roles = %roles.join(","), "almanac running");
     supervisor.run_until_signal().await?;

@@ -360,7 +360,7 @@ impl Relay {
         }
     }
 
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
         let mut listener = listen(&self.pool).await;
@@ -402,8 +402,15 @@ impl Relay {
                 _ = woken, if !failing => {}
             }
         }
-        self.publisher.flush().await;
+        // Bounded: a broker that stopped answering cannot hold the shutdown.
+        if tokio::time::timeout(Duration::from_secs(10), self.publisher.flush())
+            .await
+            .is_err()
+        {
+            warn!(%sink, "the producer did not flush within 10 s; unacknowledged rows go out again after their in-flight lease");
+        }
         info!(%sink, "relay stopped");
+        Ok(())
     }
 }
 

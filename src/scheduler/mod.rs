@@ -237,7 +237,11 @@ impl Scheduler {
         Utc::now() + self.config.clock_offset
     }
 
-    pub async fn run(mut self, shutdown: CancellationToken, mut reload: mpsc::Receiver<()>) {
+    pub async fn run(
+        mut self,
+        shutdown: CancellationToken,
+        mut reload: mpsc::Receiver<()>,
+    ) -> Result<(), SchedulerError> {
         info!(
             schedules = self.schedules.len(),
             dir = %self.config.schedules_dir.display(),
@@ -248,7 +252,7 @@ impl Scheduler {
         let mut retry = Retry::new(self.config.standby_retry, Duration::from_secs(30));
         loop {
             if shutdown.is_cancelled() {
-                return;
+                return Ok(());
             }
             let pause = match Leadership::try_acquire(&self.options, self.config.leader_timeout)
                 .await
@@ -268,7 +272,7 @@ impl Scheduler {
                         crate::metrics::record_leadership(false);
                         leadership.release().await;
                         info!("scheduler leader stepped down at shutdown");
-                        return;
+                        return Ok(());
                     }
                     // The connection is dropped here: nothing more goes through it.
                     drop(leadership);
@@ -289,7 +293,7 @@ impl Scheduler {
                 }
             };
             tokio::select! {
-                _ = shutdown.cancelled() => return,
+                _ = shutdown.cancelled() => return Ok(()),
                 Some(()) = reload.recv() => self.reload(),
                 _ = tokio::time::sleep(pause) => {}
             }
