@@ -339,6 +339,15 @@ fn validate(
         Some(value) => serde_json::to_value(value)
             .map_err(|e| fail(raw.cron.span(), format!("payload cannot be JSON: {e}")))?,
     };
+    // PostgreSQL's jsonb refuses U+0000; one such payload would fail every
+    // sync, and with it every schedule.
+    if payload.to_string().contains("\\u0000") {
+        return Err(fail(
+            raw.cron.span(),
+            "payload holds a NUL character (\\u0000), which PostgreSQL cannot store; remove it"
+                .into(),
+        ));
+    }
     let catchup = match raw
         .catchup
         .as_ref()
@@ -532,5 +541,18 @@ retries = 3
     fn a_toml_syntax_error_names_its_line() {
         let err = load(&[("s/a.toml", "[x]\ncron = \"@daily\nkind = 1\n")]).unwrap_err();
         assert!(err.starts_with("s/a.toml:2: "), "{err}");
+    }
+
+    #[test]
+    fn a_payload_postgresql_cannot_store_is_rejected_at_its_line() {
+        let err = load(&[(
+            "s/a.toml",
+            "[x]\ncron = \"@daily\"\npayload = { note = \"a\\u0000b\" }\n",
+        )])
+        .unwrap_err();
+        assert!(
+            err.starts_with("s/a.toml:2: schedule `x`: payload holds a NUL character"),
+            "{err}"
+        );
     }
 }
