@@ -377,3 +377,22 @@ async fn stats_count_by_kind_and_status_and_see_expired_leases(pool: PgPool) {
     assert_eq!(stats.expired_leases, 1);
     assert!(stats.oldest_due_ready_seconds >= 0.0);
 }
+
+/// A job handed back unstarted (its claimant shutting down) gets its attempt
+/// back: with `max_attempts = 1` it is ready again, not dead.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn an_unstarted_job_handed_back_keeps_its_attempts(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("once").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    let job = claim_one(&pool, "once", Duration::from_secs(30)).await;
+    assert_eq!(job.attempts, 1);
+    let token = job.lease_token.unwrap();
+    assert!(queue::unclaim(&pool, id, token).await.unwrap());
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!((job.status, job.attempts), (JobStatus::Ready, 0));
+    // The fence: a second hand-back under the old token changes nothing.
+    assert!(!queue::unclaim(&pool, id, token).await.unwrap());
+}

@@ -282,6 +282,30 @@ pub async fn release<'e>(
     Ok(released)
 }
 
+/// Hands back a job that was claimed but never started (its claimant is
+/// shutting down): `ready` at once with the attempt the claim took restored,
+/// so a job is never buried for attempts it did not get to run. Under the
+/// fence; returns whether the lease was still held.
+pub async fn unclaim<'e>(
+    db: impl PgExecutor<'e>,
+    id: i64,
+    token: Uuid,
+) -> Result<bool, QueueError> {
+    let unclaimed = sqlx::query(
+        r#"
+        UPDATE almanac.jobs
+        SET status = 'ready', attempts = greatest(attempts - 1, 0), run_at = clock_timestamp(),
+            lease_token = NULL, lease_until = NULL
+        WHERE id = $1 AND status = 'running' AND lease_token = $2
+        "#,
+    )
+    .bind(id)
+    .bind(token)
+    .execute(db)
+    .await?;
+    Ok(unclaimed.rows_affected() == 1)
+}
+
 /// The current status of each job that exists among `ids`: how the executor
 /// tells whether a write whose answer was lost had committed.
 pub async fn statuses<'e>(

@@ -67,7 +67,7 @@ use record::{record, Outcome, Write};
 
 use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
 use crate::metrics;
-use crate::queue::{self, Job, JobStatus, QueueError};
+use crate::queue::{self, Job, QueueError};
 
 /// How long before the lease may run out the executor cancels a handler
 /// whose lease it could not renew; see the module doc for why a fifth.
@@ -318,19 +318,16 @@ impl Executor {
     pub async fn release_unstarted(&self, job: Box<Job>) -> Executed {
         let (id, kind, attempt) = (job.id, job.kind.clone(), job.attempts);
         let token = job.lease_token.expect("a claimed job holds a lease");
-        let released = bounded(
+        // Never run, so the claim's attempt is given back: a job is not
+        // buried for an attempt it did not get (max_attempts = 1 included).
+        let unclaimed = bounded(
             self.inner.config.lease / 3,
-            queue::release(
-                &self.inner.pool,
-                &[(id, token)],
-                "released at shutdown before the handler started",
-            ),
+            queue::unclaim(&self.inner.pool, id, token),
         )
         .await;
-        let executed = match released.as_deref() {
-            Ok([(_, JobStatus::Dead)]) => Executed::Dead,
-            Ok([_]) => Executed::Released,
-            Ok(_) => Executed::Lost,
+        let executed = match unclaimed {
+            Ok(true) => Executed::Released,
+            Ok(false) => Executed::Lost,
             Err(err) => {
                 warn!(job_id = id, %err, "could not release a job claimed during shutdown; its lease will expire");
                 Executed::Lost
