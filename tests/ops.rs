@@ -783,3 +783,47 @@ async fn almanac_work_serves_http_when_asked(pool: PgPool) {
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+/// Schedule lag is how far the scheduler's own planning is behind: from the
+/// first run after its cursor that is due; backfilled rows do not count.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn schedule_lag_counts_from_the_first_unplanned_due_run(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO almanac.schedules (name, cron, timezone, kind, payload, catchup, catchup_window,
+                                        overlap, max_attempts, enabled, definition_hash, created_at)
+         VALUES ('hourly', '0 * * * *', 'UTC', 'h', '{}', 'all', '7 days', 'allow', 5, true, 'h',
+                 date_trunc('hour', now()) - interval '48 hours' + interval '30 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let lag = |pool: PgPool| async move {
+        let mut conn = pool.acquire().await.unwrap();
+        let states = almanac::metrics::snapshot::schedules(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(states.len(), 1);
+        states[0].lag_seconds
+    };
+    // Never planned: the first run after the first sync was 47 h 30 m ago (and a bit).
+    let never = lag(pool.clone()).await;
+    assert!((47.0 * 3600.0..48.0 * 3600.0).contains(&never), "{never}");
+    // A backfilled row for the latest hour does not move the cursor.
+    sqlx::query(
+        "INSERT INTO almanac.schedule_runs (schedule, logical_run, fire_at, source, outcome)
+         VALUES ('hourly', 'latest', date_trunc('hour', now()), 'backfill', 'skipped_catchup')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(lag(pool.clone()).await >= never);
+    // The scheduler planned up to the latest hour: nothing due is unplanned.
+    sqlx::query(
+        "INSERT INTO almanac.schedule_runs (schedule, logical_run, fire_at, source, outcome)
+         VALUES ('hourly', 'planned', date_trunc('hour', now()), 'tick', 'skipped_catchup')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(lag(pool.clone()).await, 0.0);
+}

@@ -11,6 +11,8 @@ use crate::queue::{self, QueueError, Stats};
 use crate::relay::outbox::{self, SinkOutboxStats};
 use crate::scheduler::cron::CronExpr;
 use crate::scheduler::leader::LEADER_LOCK_KEY;
+use crate::scheduler::plan::Cursor;
+use crate::scheduler::spec::next_admitted;
 use crate::scheduler::timeline::Timeline;
 
 #[derive(Debug, Clone, Serialize)]
@@ -131,11 +133,15 @@ fn lag(
     now: DateTime<Utc>,
 ) -> Option<f64> {
     let timeline = Timeline::new(CronExpr::parse(cron).ok()?, tz.parse().ok()?);
-    let tiny = chrono::Duration::microseconds(1);
-    let mut from = cursor.map_or(first_seen, |c| c + tiny);
-    if let Some(start) = start {
-        from = from.max(timeline.start_of(start));
-    }
-    let pending = timeline.next_after(from - tiny)?;
+    // The scheduler's own next run: what `plan::next_run` plans from its cursor.
+    let cursor = Cursor {
+        last_planned: cursor,
+        first_seen,
+    };
+    let pending = next_admitted(
+        &timeline,
+        start,
+        cursor.from() - chrono::Duration::microseconds(1),
+    )?;
     (pending.fire_at <= now).then(|| (now - pending.fire_at).num_milliseconds() as f64 / 1000.0)
 }

@@ -118,15 +118,27 @@ impl Schedule {
 
     /// The schedule's first run strictly after `t`.
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<Run> {
-        let t = self
-            .earliest()
-            .map_or(t, |e| t.max(e - chrono::Duration::microseconds(1)));
-        let mut next = self.timeline.next_after(t)?;
-        while !self.admits(&next) {
-            next = self.timeline.next_after(next.fire_at)?;
-        }
-        Some(next)
+        next_admitted(&self.timeline, self.start, t)
     }
+}
+
+/// The first run of `timeline` strictly after `t` whose local date is on or
+/// after `start`: the start rule for a timeline known without its
+/// [`Schedule`] (the metrics collector reads schedules from the database).
+pub fn next_admitted(
+    timeline: &Timeline,
+    start: Option<NaiveDate>,
+    t: DateTime<Utc>,
+) -> Option<Run> {
+    let admits = |run: &Run| start.is_none_or(|start| run.date >= start);
+    let t = start.map_or(t, |s| {
+        t.max(timeline.start_of(s) - chrono::Duration::microseconds(1))
+    });
+    let mut next = timeline.next_after(t)?;
+    while !admits(&next) {
+        next = timeline.next_after(next.fire_at)?;
+    }
+    Some(next)
 }
 
 #[derive(Debug, Deserialize)]
