@@ -201,7 +201,21 @@ pub async fn set_within(
     destination: Option<&str>,
     lock_timeout: Duration,
 ) -> Result<RouteChange, RouteError> {
-    let result = set_in_tx(conn, kind, mode, sink, destination, lock_timeout).await;
+    // Moving a kind's jobs locks many rows in heap order while workers lock
+    // some of them in theirs (outcomes, heartbeats), so PostgreSQL may pick
+    // this transaction as a deadlock victim. It rolled back whole: try again.
+    let mut tries = 0;
+    let result = loop {
+        tries += 1;
+        match set_in_tx(conn, kind, mode, sink, destination, lock_timeout).await {
+            Err(RouteError::Db(sqlx::Error::Database(e)))
+                if e.code().as_deref() == Some("40P01") && tries < 5 =>
+            {
+                tracing::warn!(kind, tries, "route set was a deadlock victim; retrying");
+            }
+            other => break other,
+        }
+    };
     match result {
         Err(RouteError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("55P03") => {
             let blockers = lock_holders(conn, kind).await.unwrap_or_default();
