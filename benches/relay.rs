@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
-use almanac::relay::{Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
+use almanac::relay::{outbox, Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::BasicProperties;
 use rdkafka::producer::FutureRecord;
@@ -94,6 +94,48 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
     elapsed
 }
 
+/// The relay's own statements with no broker: claim a batch, mark the
+/// previous one published (on another connection, as the relay does), until
+/// `MESSAGES` rows are through. The ceiling the database puts on the relay.
+async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Duration> {
+    let lease = RelayConfig::default().in_flight_lease;
+    let pool = &outbox::relay_pool(pool, 3);
+    let start = Instant::now();
+    let mut done = 0;
+    let mut marking: Option<tokio::task::JoinHandle<Result<u64, sqlx::Error>>> = None;
+    while done < MESSAGES {
+        let claimed = outbox::claim(pool, sink, BATCH as i64, lease).await?;
+        anyhow::ensure!(!claimed.rows.is_empty(), "the outbox ran dry at {done}");
+        done += claimed.rows.len();
+        if let Some(previous) = marking.take() {
+            previous.await??;
+        }
+        let pool = pool.clone();
+        let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
+        marking = Some(tokio::spawn(async move {
+            outbox::mark_published(&pool, claimed.token, &ids).await
+        }));
+    }
+    if let Some(previous) = marking {
+        previous.await??;
+    }
+    Ok(start.elapsed())
+}
+
+async fn enqueue(pool: &sqlx::PgPool, kind: &str, tag: &str) -> anyhow::Result<()> {
+    let jobs: Vec<NewJob> = (0..MESSAGES)
+        .map(|i| {
+            NewJob::new(kind.to_string())
+                .payload(serde_json::json!({"order": 12345, "note": "benchmark payload"}))
+                .idempotency_key(format!("{tag}:{i}"))
+        })
+        .collect();
+    for chunk in jobs.chunks(1000) {
+        queue::enqueue_many(&mut *pool.acquire().await?, chunk).await?;
+    }
+    Ok(())
+}
+
 #[path = "common/mod.rs"]
 mod common;
 
@@ -132,16 +174,7 @@ async fn main() -> anyhow::Result<()> {
             Some(&destination),
         )
         .await?;
-        let jobs: Vec<NewJob> = (0..MESSAGES)
-            .map(|i| {
-                NewJob::new(kind.clone())
-                    .payload(serde_json::json!({"order": 12345, "note": "benchmark payload"}))
-                    .idempotency_key(format!("{sink}:{i}"))
-            })
-            .collect();
-        for chunk in jobs.chunks(1000) {
-            queue::enqueue_many(&mut *pool.acquire().await?, chunk).await?;
-        }
+        enqueue(&pool, &kind, sink.as_str()).await?;
         let config = RelayConfig {
             batch_size: BATCH as i64,
             ..RelayConfig::default()
@@ -163,12 +196,15 @@ async fn main() -> anyhow::Result<()> {
             SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
             SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
         };
+        enqueue(&pool, &kind, &format!("{sink}-alone")).await?;
+        let alone = outbox_alone(&pool, sink).await?;
         println!(
-            "{sink:<9} relay {:>7.0} msg/s ({MESSAGES} in {:.2}s)   raw client {:>7.0} msg/s   relay/raw {:.2}",
+            "{sink:<9} relay {:>7.0} msg/s ({MESSAGES} in {:.2}s)   raw client {:>7.0} msg/s   relay/raw {:.2}   outbox statements alone {:>7.0} rows/s",
             rate(MESSAGES, relayed),
             relayed.as_secs_f64(),
             rate(MESSAGES, raw),
-            rate(MESSAGES, relayed) / rate(MESSAGES, raw)
+            rate(MESSAGES, relayed) / rate(MESSAGES, raw),
+            rate(MESSAGES, alone),
         );
     }
     scratch.drop().await?;

@@ -53,6 +53,10 @@ pub struct RelaySection {
     pub kafka_replication: Option<i32>,
     pub ack_timeout: Option<HumanDuration>,
     pub redrive_after: Option<HumanDuration>,
+    pub max_message_bytes: Option<usize>,
+    pub max_publish_attempts: Option<i32>,
+    pub in_flight_lease: Option<HumanDuration>,
+    pub reconcile_interval: Option<HumanDuration>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

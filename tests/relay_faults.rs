@@ -188,6 +188,64 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
     let _ = conn.close(200, "done").await;
 }
 
+/// A drain that stops early (a batch must be retried) hands back the batch
+/// it claimed ahead instead of leaving it in flight for a whole lease.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rows_claimed_ahead_are_handed_back_when_a_drain_stops(pool: PgPool) {
+    let sinks = brokers::sinks();
+    let destination = unique("ahead");
+    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    // No queue behind the exchange: every publish comes back unroutable.
+    let conn = lapin::Connection::connect(&brokers::amqp_url(), Default::default())
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(&destination, Default::default())
+        .await
+        .unwrap();
+
+    enqueue(&pool, "ahead", 5).await;
+    let config = almanac::relay::RelayConfig {
+        batch_size: 2,
+        ..brokers::relay_config()
+    };
+    let mut relay = Relay::new(pool.clone(), publisher, config);
+    let report = relay.drain().await.unwrap();
+    // Two batches went out and come back to be retried; the third, claimed
+    // ahead while they were in flight, was never sent.
+    assert_eq!((report.published, report.retried, report.failed), (0, 4, 0));
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE lease_token IS NOT NULL OR lease_until IS NOT NULL"
+        )
+        .await,
+        0,
+        "no row is left in flight"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE attempts = 0 AND available_at <= now() AND last_error IS NULL"
+        )
+        .await,
+        1,
+        "the row claimed ahead is due again at once, its try not counted"
+    );
+    let _ = conn.close(200, "done").await;
+}
+
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
     let sink = SinkKind::Rabbitmq;

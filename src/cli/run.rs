@@ -143,7 +143,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         relay.redrive_after,
     )
     .map_err(anyhow::Error::msg)?;
-    let relay = args.relay.apply(relay, &sinks)?;
+    let relay = args.relay.apply(ctx, relay, &sinks)?;
     let scheduler = if wants("scheduler") {
         let d = SchedulerConfig::default();
         let config = SchedulerConfig {

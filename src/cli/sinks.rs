@@ -58,7 +58,10 @@ impl SinkFlags {
                 .ack_timeout
                 .or(file.ack_timeout)
                 .map_or(defaults.ack_timeout, |d| d.0),
-            max_message_bytes: self.max_message_bytes.unwrap_or(defaults.max_message_bytes),
+            max_message_bytes: self
+                .max_message_bytes
+                .or(file.max_message_bytes)
+                .unwrap_or(defaults.max_message_bytes),
         };
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)
@@ -80,15 +83,27 @@ pub struct RelayFlags {
 }
 
 impl RelayFlags {
-    /// `config` with these flags applied, validated against `sinks`.
-    pub fn apply(&self, config: RelayConfig, sinks: &SinkConfig) -> anyhow::Result<RelayConfig> {
+    /// `config` with these flags (then `[relay]` in the config file)
+    /// applied, validated against `sinks`.
+    pub fn apply(
+        &self,
+        ctx: &Ctx,
+        config: RelayConfig,
+        sinks: &SinkConfig,
+    ) -> anyhow::Result<RelayConfig> {
+        let file = &ctx.config.relay;
         let config = RelayConfig {
             max_publish_attempts: self
                 .max_publish_attempts
+                .or(file.max_publish_attempts)
                 .unwrap_or(config.max_publish_attempts),
-            in_flight_lease: self.in_flight_lease.map_or(config.in_flight_lease, |d| d.0),
+            in_flight_lease: self
+                .in_flight_lease
+                .or(file.in_flight_lease)
+                .map_or(config.in_flight_lease, |d| d.0),
             reconcile_interval: self
                 .reconcile_interval
+                .or(file.reconcile_interval)
                 .map_or(config.reconcile_interval, |d| d.0),
             ..config
         };

@@ -7,11 +7,13 @@
 //!   `available_at = run_at` (migration `0003_outbox.sql`).
 //! - **Short transactions.** A relay claims a batch of due rows of its sink in
 //!   one statement (`FOR UPDATE SKIP LOCKED`, so several relays share the
-//!   work): each row gets an in-flight lease (`available_at` moves to its end)
-//!   and the claim's token, and the statement commits. The batch is published
+//!   work): each row gets an in-flight lease (`lease_until`, a column no index
+//!   covers, so the claim is a HOT update) and the claim's token, and the
+//!   statement commits. The batch is published
 //!   and its acknowledgements awaited outside any transaction; then a second
 //!   short transaction marks each row by its outcome, naming the token. No row
-//!   lock or transaction is held while a broker thinks. While one batch is in
+//!   lock or transaction is held while a broker thinks. Claims and marks commit
+//!   asynchronously ([`outbox::relay_pool`] says why that is safe). While one batch is in
 //!   flight the next is claimed, and the previous one is marked.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
 //!   are marked published. A `Retriable` failure (broker down, timeout, broken
@@ -168,13 +170,18 @@ enum Outcome {
 
 pub struct Relay {
     pool: PgPool,
+    /// Claims and marks only ([`outbox::relay_pool`]).
+    outbox_db: PgPool,
     publisher: Publisher,
     config: RelayConfig,
 }
 
 impl Relay {
+    /// Claims and marks go through connections of their own with
+    /// asynchronous commit ([`outbox::relay_pool`]).
     pub fn new(pool: PgPool, publisher: Publisher, config: RelayConfig) -> Self {
         Relay {
+            outbox_db: outbox::relay_pool(&pool, 3),
             pool,
             publisher,
             config,
@@ -182,7 +189,7 @@ impl Relay {
     }
 
     fn claim(&self) -> impl std::future::Future<Output = Result<Claimed, sqlx::Error>> + 'static {
-        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
+        let (pool, sink) = (self.outbox_db.clone(), self.publisher.sink());
         let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
         async move { outbox::claim(&pool, sink, limit, lease).await }
     }
@@ -220,7 +227,13 @@ impl Relay {
             return Err(RelayError::Failpoint(point));
         }
         let outcomes = self.outcomes(&claimed.rows, results);
-        Ok(mark(self.pool.clone(), self.publisher.sink(), claimed, outcomes).await?)
+        Ok(mark(
+            self.outbox_db.clone(),
+            self.publisher.sink(),
+            claimed,
+            outcomes,
+        )
+        .await?)
     }
 
     /// Publishes due rows batch after batch until a batch comes back short
@@ -291,8 +304,14 @@ impl Relay {
             }
         }
         if let Some(claim) = next_claim {
-            // Rows claimed ahead go back when their in-flight lease ends.
-            claim.abort();
+            // Rows claimed ahead and never sent are handed back at once (if
+            // that fails, they come back when their in-flight lease ends).
+            if let Ok(Ok(batch)) = claim.await {
+                let ids: Vec<i64> = batch.rows.iter().map(|r| r.id).collect();
+                if let Err(e) = outbox::release(&self.outbox_db, batch.token, &ids).await {
+                    warn!(sink = %self.publisher.sink(), %e, "handing back rows claimed ahead failed; they return after their in-flight lease");
+                }
+            }
         }
         result.map(|()| report)
     }
@@ -316,7 +335,7 @@ impl Relay {
         if let Some(previous) = marking.take() {
             *report += join(previous).await?;
         }
-        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
+        let (pool, sink) = (self.outbox_db.clone(), self.publisher.sink());
         *marking = Some(tokio::spawn(mark(pool, sink, batch, outcomes)));
         Ok(retrying)
     }

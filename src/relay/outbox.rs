@@ -15,6 +15,24 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// The relay's own connections for claims and marks: like `pool`'s, but
+/// with asynchronous commit (`synchronous_commit = off`), so a claim or a
+/// mark does not wait for its WAL to reach the disk. That is safe here and
+/// only here: a commit that a PostgreSQL crash loses (at most the last few
+/// hundred milliseconds) undoes a claim or a mark, and the row is published
+/// once more, which the relay already allows for (a second copy is harmless:
+/// consumers claim through the job fence). Nothing is lost and no job runs
+/// twice. At most `connections` connections, opened on first use.
+pub fn relay_pool(pool: &PgPool, connections: u32) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("synchronous_commit", "off")]);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options)
+}
+
 /// One outbox row, as claimed: the body is the payload's JSON text, headers
 /// are name/value pairs in name order.
 #[derive(Debug, Clone)]
@@ -50,8 +68,10 @@ pub struct Claimed {
 
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
 /// transaction): `FOR UPDATE SKIP LOCKED`, then an in-flight lease of
-/// `lease` (the row comes due again when it ends), a fresh token, and
-/// `attempts + 1`.
+/// `lease` in `lease_until` (the row comes due again when it ends), a fresh
+/// token, and `attempts + 1`. Only columns no index covers change, so the
+/// update is HOT (migration `0010_outbox_hot_claim.sql`): rows in flight keep
+/// their place in `outbox_due_idx` and the scan steps over them.
 pub async fn claim(
     pool: &PgPool,
     sink: SinkKind,
@@ -64,13 +84,13 @@ pub async fn claim(
     let raw: Vec<RawRow> = sqlx::query_as(
         r#"
         UPDATE almanac.outbox AS o
-        SET available_at = now() + $3 * interval '1 millisecond',
+        SET lease_until = now() + $3 * interval '1 millisecond',
             lease_token = $4,
             attempts = o.attempts + 1
         WHERE o.id = ANY(ARRAY(
             SELECT id FROM almanac.outbox
             WHERE sink = $1 AND published_at IS NULL AND failed_at IS NULL
-              AND available_at <= now()
+              AND available_at <= now() AND (lease_until IS NULL OR lease_until <= now())
             ORDER BY available_at, id
             LIMIT $2
             FOR UPDATE SKIP LOCKED))
@@ -136,7 +156,29 @@ pub async fn mark_published<'e>(
         return Ok(0);
     }
     Ok(sqlx::query(
-        "UPDATE almanac.outbox SET published_at = now(), last_error = NULL, lease_token = NULL \
+        "UPDATE almanac.outbox SET published_at = now(), last_error = NULL, lease_token = NULL, \
+         lease_until = NULL \
+         WHERE id = ANY($1) AND lease_token = $2",
+    )
+    .bind(ids)
+    .bind(token)
+    .execute(db)
+    .await?
+    .rows_affected())
+}
+
+/// Hands back rows of a claim that were never sent (claimed ahead, then not
+/// needed): they are due again at once, and the try is not counted.
+pub async fn release<'e>(
+    db: impl PgExecutor<'e>,
+    token: Uuid,
+    ids: &[i64],
+) -> Result<u64, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    Ok(sqlx::query(
+        "UPDATE almanac.outbox SET lease_token = NULL, lease_until = NULL, attempts = attempts - 1 \
          WHERE id = ANY($1) AND lease_token = $2",
     )
     .bind(ids)
@@ -162,7 +204,7 @@ pub async fn mark_retry<'e>(
     Ok(sqlx::query(
         r#"
         UPDATE almanac.outbox AS o
-        SET last_error = f.error, lease_token = NULL,
+        SET last_error = f.error, lease_token = NULL, lease_until = NULL,
             available_at = now() + f.delay_ms * interval '1 millisecond'
         FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
         WHERE o.id = f.id AND o.lease_token = $4
@@ -200,7 +242,7 @@ pub async fn mark_failed(
     sqlx::query_as(
         r#"
         UPDATE almanac.outbox AS o
-        SET failed_at = now(), last_error = f.error, lease_token = NULL
+        SET failed_at = now(), last_error = f.error, lease_token = NULL, lease_until = NULL
         FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
         WHERE o.id = f.id AND o.lease_token = $3
         RETURNING o.id, o.job_id, o.destination, f.error
@@ -227,7 +269,7 @@ pub async fn readdress(
         r#"
         UPDATE almanac.outbox AS o
         SET sink = r.sink, destination = r.destination, available_at = j.run_at,
-            lease_token = NULL, attempts = 0, last_error = NULL
+            lease_token = NULL, lease_until = NULL, attempts = 0, last_error = NULL
         FROM almanac.jobs AS j, almanac.routes AS r
         WHERE o.job_id = j.id AND r.kind = j.kind AND ($1::text IS NULL OR j.kind = $1)
           AND o.published_at IS NULL AND o.failed_at IS NULL
@@ -303,7 +345,8 @@ pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, 
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL) AS backlog,
             (SELECT count(*) FROM almanac.outbox o
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL
-                AND o.lease_token IS NOT NULL AND o.available_at > now()) AS in_flight,
+                AND o.lease_token IS NOT NULL
+                AND (o.lease_until > now() OR o.available_at > now())) AS in_flight,
             coalesce((SELECT extract(epoch FROM now() - min(o.created_at))::float8
               FROM almanac.outbox o
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL), 0)
