@@ -20,6 +20,24 @@ pub struct HttpFlags {
     pub http_basic_auth: Option<BasicAuth>,
 }
 
+/// `almanac run`'s dashboard switches.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UiFlags {
+    /// Let the dashboard retry dead jobs (POST forms with a CSRF token);
+    /// without it the dashboard is read-only.
+    #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub ui_actions: Option<bool>,
+}
+
+impl UiFlags {
+    /// The flag, else `ui_actions` in the config file, else off.
+    pub fn config(&self, ctx: &Ctx) -> crate::ui::UiConfig {
+        crate::ui::UiConfig {
+            actions: self.ui_actions.or(ctx.config.ui_actions).unwrap_or(false),
+        }
+    }
+}
+
 impl HttpFlags {
     /// The flag, else `http_addr` in the config file, else `default`.
     pub fn addr(&self, ctx: &Ctx, default: HttpAddr) -> HttpAddr {
