@@ -295,6 +295,23 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
         "No scheduler holds the leader lock."
     );
     shot(&c, "overview").await;
+    // On a phone: the page fits the width (no horizontal scrolling of the page).
+    c.set_window_size(390, 844).await.unwrap();
+    c.refresh().await.unwrap();
+    let overflow: serde_json::Value = c
+        .execute(
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        overflow.as_i64(),
+        Some(0),
+        "the overview is wider than a phone"
+    );
+    shot(&c, "overview-phone").await;
+    c.set_window_size(1280, 1000).await.unwrap();
 
     // Jobs: newest first, filters.
     c.goto(&format!("{base}/jobs")).await.unwrap();
@@ -427,6 +444,15 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
         .await
     );
     assert_eq!(state("missing").await, 1);
+    let skipped = c
+        .find(Locator::Css("#calendar .cell.skipped"))
+        .await
+        .unwrap()
+        .attr("title")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(skipped.contains("skipped (overlap)"), "{skipped}");
     // Exactly what `gaps` reports for the calendar's range.
     let mut conn = pool.acquire().await.unwrap();
     let schedule = history::synced_one(&mut conn, "nightly")
@@ -825,4 +851,49 @@ async fn every_jobs_query_of_the_dashboard_uses_an_index_on_a_large_table(pool: 
     assert_eq!(page.jobs.len(), 50);
     assert_eq!(page.jobs[0].id, newest);
     assert!(page.next_before.is_some());
+}
+
+/// With `--http-basic-auth` the dashboard needs the credentials, like
+/// `/metrics`; the probes stay open.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_dashboard_sits_behind_basic_auth_when_configured(pool: PgPool) {
+    let auth: almanac::http::BasicAuth = "ops:s3cret".parse().unwrap();
+    let server = almanac::http::HttpServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Some(auth),
+        &pool.connect_options(),
+    )
+    .await
+    .unwrap()
+    .mount(almanac::ui::router(
+        pool.clone(),
+        almanac::ui::UiConfig { actions: true },
+    ));
+    let addr = server.local_addr().to_string();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+    for path in [
+        "/",
+        "/jobs",
+        "/dead",
+        "/schedules",
+        "/routes",
+        "/ui/style.css",
+    ] {
+        let reply = common::http::get(&addr, path).await.unwrap();
+        assert_eq!(reply.status, 401, "{path}");
+        // "ops:s3cret" in base64.
+        let reply = common::http::get_with(&addr, path, Some("Basic b3BzOnMzY3JldA=="))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    }
+    let (status, _) = post(&addr, "/dead/retry", "kind=x").await;
+    assert_eq!(status, 401, "an action without credentials");
+    assert_eq!(
+        common::http::get(&addr, "/healthz").await.unwrap().status,
+        200
+    );
+    stop.cancel();
+    serving.await.unwrap().unwrap();
 }

@@ -25,7 +25,8 @@ pub struct HttpFlags {
 pub struct UiFlags {
     /// Let the dashboard retry dead jobs (POST forms with a CSRF token);
     /// without it the dashboard is read-only.
-    #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL",
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub ui_actions: Option<bool>,
 }
 

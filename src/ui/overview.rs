@@ -113,17 +113,17 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                     None => p #leader .warn { "No scheduler holds the leader lock." },
                 }
                 @if !snap.schedules.is_empty() {
-                    table { tbody {
+                    div .scroll { table { tbody {
                         @for s in &snap.schedules {
                             tr { td { a href={"/schedules/" (enc(&s.name))} { (s.name) } }
                                  td .num .warn[s.lag_seconds > 60.0] { "lag " (age(s.lag_seconds)) } }
                         }
-                    } }
+                    } } }
                 }
             }
             div {
                 h2 { "Outbox" }
-                table #outbox {
+                div .scroll { table #outbox {
                     thead { tr { th { "sink" } th .num { "backlog" } th .num { "in flight" } th .num { "oldest" } th .num { "failed" } } }
                     tbody {
                         @for s in &snap.outbox {
@@ -136,7 +136,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                             }
                         }
                     }
-                }
+                } }
             }
         }
     };

@@ -172,9 +172,10 @@ pub(super) async fn detail(
             }
         }
         div .calendar #calendar {
-            @for c in &calendar.cells {
+            @for (i, c) in calendar.cells.iter().enumerate() {
                 @let local = c.run.fire_at.with_timezone(&tz);
-                @let text = if daily { local.format("%d").to_string() } else { local.format("%H:%M").to_string() };
+                @let new_day = i == 0 || calendar.cells[i - 1].run.fire_at.with_timezone(&tz).date_naive() != local.date_naive();
+                @let text = cell_text(&local, daily, i == 0, new_day);
                 @let title = format!("{} · {}{}", c.run.logical_run, describe(&c.state), c.source.as_deref().map(|s| format!(" · {s}")).unwrap_or_default());
                 @match &c.state {
                     CellState::Done { job_id } | CellState::Failed { job_id } | CellState::Emitted { job_id } => {
@@ -191,6 +192,21 @@ pub(super) async fn detail(
     Ok(Html(
         layout(&format!("Schedule {}", row.name), "/schedules", false, body).into_string(),
     ))
+}
+
+/// A cell's label: the day (daily) or the time (sub-daily), with the month
+/// or the date where it changes so the calendar can be read without hovering.
+fn cell_text(local: &DateTime<Tz>, daily: bool, first: bool, new_day: bool) -> String {
+    match (
+        daily,
+        first || local.format("%d").to_string() == "01",
+        new_day,
+    ) {
+        (true, true, _) => local.format("%b %-d").to_string(),
+        (true, false, _) => local.format("%d").to_string(),
+        (false, _, true) => local.format("%b %-d %H:%M").to_string(),
+        (false, _, false) => local.format("%H:%M").to_string(),
+    }
 }
 
 fn label(class: &str) -> &'static str {
