@@ -127,9 +127,13 @@ async fn shot(client: &Client, name: &str) {
     std::fs::write(format!("{dir}/{name}.png"), png).unwrap();
 }
 
+/// The text of the element `css`, waiting (up to 10 s) for it to appear:
+/// after a click that navigates, the next page may still be loading.
 async fn text(client: &Client, css: &str) -> String {
     client
-        .find(Locator::Css(css))
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css(css))
         .await
         .unwrap_or_else(|e| panic!("no element `{css}`: {e}"))
         .text()
@@ -660,6 +664,10 @@ async fn actions_are_refused_without_ui_actions(pool: PgPool) {
     ] {
         let (status, body) = post(&addr, &path, &form).await;
         assert_eq!(status, 403, "{path}: {body}");
+        assert!(
+            body.to_ascii_lowercase().contains("x-frame-options: deny"),
+            "{body}"
+        );
         assert!(
             body.contains("Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions"),
             "{body}"

@@ -22,6 +22,9 @@
 //!   double-submit cookie because it needs no cookie at all and no per-user
 //!   state; the price is that a form left open across a restart must be
 //!   reloaded (the message says so).
+//! - *Framing.* Every response forbids framing (`X-Frame-Options: DENY`,
+//!   CSP `frame-ancestors 'none'`), so another site cannot overlay a retry
+//!   button to steal a click; scripts and styles load from this origin only.
 //! - *Auth.* The dashboard sits behind the same `--http-basic-auth` as
 //!   `/metrics` (see [`crate::http`]); binding beyond loopback requires it.
 //! - *Cheap queries.* No page reads done jobs in bulk: counts come from the
@@ -81,7 +84,22 @@ pub fn router(pool: PgPool, config: UiConfig) -> Router {
         .route("/routes", get(routes::page))
         .route("/ui/style.css", get(style))
         .route("/ui/app.js", get(script))
+        .layer(axum::middleware::map_response(protect))
         .with_state(ui)
+}
+
+async fn protect(mut response: Response) -> Response {
+    use axum::http::HeaderValue;
+    let headers = response.headers_mut();
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
+        ),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 fn new_token() -> String {
