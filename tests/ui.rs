@@ -905,3 +905,50 @@ async fn the_dashboard_sits_behind_basic_auth_when_configured(pool: PgPool) {
     stop.cancel();
     serving.await.unwrap().unwrap();
 }
+
+/// A group retry takes exactly the group, in batches, and leaves the rest.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_group_retry_takes_exactly_its_group_in_batches(pool: PgPool) {
+    exec(
+        &pool,
+        r#"
+        INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+          SELECT 'bulk', 'dead', 5, now(), E'quota exceeded\nretry later' FROM generate_series(1, 2500);
+        INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+          SELECT 'bulk', 'dead', 5, now(), 'quota exceeded!' FROM generate_series(1, 3);
+        INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+          SELECT 'other', 'dead', 5, now(), 'quota exceeded' FROM generate_series(1, 2);
+        "#,
+    )
+    .await;
+    let group = DeadFilter {
+        kind: Some("bulk".into()),
+        error: Some("quota exceeded".into()),
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(browse::dead_count(&mut conn, &group).await.unwrap(), 2500);
+    assert!(2500 > browse::RETRY_BATCH);
+    let n = browse::retry_dead_matching(&mut conn, &group)
+        .await
+        .unwrap();
+    assert_eq!(n, 2500);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.jobs WHERE status = 'ready' AND attempts = 0 AND finished_at IS NULL AND run_at <= now() AND kind = 'bulk'").await,
+        2500
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'dead'"
+        )
+        .await,
+        5
+    );
+    // Nothing is left to take: a second retry of the group is a no-op.
+    assert_eq!(
+        browse::retry_dead_matching(&mut conn, &group)
+            .await
+            .unwrap(),
+        0
+    );
+}

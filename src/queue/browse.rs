@@ -230,29 +230,44 @@ pub async fn dead_count(conn: &mut PgConnection, f: &DeadFilter) -> Result<i64, 
         .await?)
 }
 
+/// Jobs one statement of [`retry_dead_matching`] retries.
+pub const RETRY_BATCH: usize = 1_000;
+
 /// Gives every dead job matching `f` a fresh set of attempts, due now, the
-/// same transition as [`super::retry`], in one statement; returns how many.
+/// same transition as [`super::retry`]. The matching ids are read once, then
+/// retried [`RETRY_BATCH`] at a time in short statements, so a large group
+/// holds no long lock and a job that dies again meanwhile is not retried
+/// twice. Returns how many were retried.
 pub async fn retry_dead_matching(
     conn: &mut PgConnection,
     f: &DeadFilter,
 ) -> Result<u64, QueueError> {
-    let mut b = QueryBuilder::new(
-        "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL",
-    );
+    let mut b = QueryBuilder::new("SELECT id FROM almanac.jobs");
     dead_where(&mut b, f);
-    b.push(" RETURNING kind");
-    let kinds: Vec<String> = b.build_query_scalar().fetch_all(&mut *conn).await?;
-    let mut distinct = kinds.clone();
-    distinct.sort();
-    distinct.dedup();
-    for kind in &distinct {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(NOTIFY_CHANNEL)
-            .bind(kind)
-            .execute(&mut *conn)
-            .await?;
+    b.push(" ORDER BY id");
+    let ids: Vec<i64> = b.build_query_scalar().fetch_all(&mut *conn).await?;
+    let mut retried = 0u64;
+    for chunk in ids.chunks(RETRY_BATCH) {
+        let mut kinds: Vec<String> = sqlx::query_scalar(
+            "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
+             WHERE id = ANY($1) AND status = 'dead' RETURNING kind",
+        )
+        .bind(chunk)
+        .fetch_all(&mut *conn)
+        .await?;
+        retried += kinds.len() as u64;
+        // Workers of these kinds wake now rather than at their next poll.
+        kinds.sort();
+        kinds.dedup();
+        for kind in &kinds {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(NOTIFY_CHANNEL)
+                .bind(kind)
+                .execute(&mut *conn)
+                .await?;
+        }
     }
-    Ok(kinds.len() as u64)
+    Ok(retried)
 }
 
 /// Jobs finished per minute over the last hour.
