@@ -10,7 +10,7 @@ use crate::maintenance::JanitorConfig;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpFlags {
-    /// Where /healthz, /readyz and /metrics listen, HOST:PORT or `off`
+    /// Where /healthz, /readyz, /metrics (and, for `run`, the dashboard) listen, HOST:PORT or `off`
     /// [default: 127.0.0.1:9797 for `run`, off for `work` and `consume`].
     #[arg(long, env = "ALMANAC_HTTP_ADDR", value_name = "ADDR|off")]
     pub http_addr: Option<HttpAddr>,
