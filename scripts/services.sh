@@ -48,3 +48,14 @@ if ! port_open 9092; then
     --storage-engine memory://tansu/ > target/tansu.log 2>&1 &
   wait_for tansu 60 port_open 9092
 fi
+
+# Headless Chromium and its WebDriver for the dashboard's browser tests
+# (tests/ui.rs), from Debian's packages.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  echo "services: installing chromium and chromium-driver" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y chromium chromium-driver >/dev/null 2>&1; then
+    apt-get update -q
+    apt-get install -y chromium chromium-driver
+  fi
+fi

@@ -29,6 +29,8 @@ pub struct Config {
     pub http_addr: Option<crate::http::HttpAddr>,
     /// `USER:PASSWORD` guarding the HTTP endpoint; never logged.
     pub http_basic_auth: Option<String>,
+    /// Let the dashboard retry dead jobs (`--ui-actions`); default read-only.
+    pub ui_actions: Option<bool>,
     #[serde(default)]
     pub worker: WorkerSection,
     #[serde(default)]

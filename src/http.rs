@@ -133,6 +133,7 @@ pub enum HttpError {
 pub struct HttpServer {
     listener: TcpListener,
     router: Router,
+    auth: Option<Arc<BasicAuth>>,
 }
 
 #[derive(Clone)]
@@ -158,19 +159,24 @@ impl HttpServer {
             .min_connections(0)
             .acquire_timeout(PROBE_DEADLINE)
             .connect_lazy_with(database.clone().application_name("almanac-readyz"));
-        let guarded = Router::new().route("/metrics", get(metrics));
-        let guarded = match auth {
-            Some(auth) => {
-                guarded.layer(middleware::from_fn_with_state(Arc::new(auth), require_auth))
-            }
-            None => guarded,
-        };
+        let auth = auth.map(Arc::new);
+        let guarded = guard(Router::new().route("/metrics", get(metrics)), &auth);
         let router = Router::new()
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
             .merge(guarded)
             .with_state(AppState { probe });
-        Ok(HttpServer { listener, router })
+        Ok(HttpServer {
+            listener,
+            router,
+            auth,
+        })
+    }
+
+    /// Adds `routes` (the dashboard) behind the same basic auth as `/metrics`.
+    pub fn mount(mut self, routes: Router) -> HttpServer {
+        self.router = self.router.merge(guard(routes, &self.auth));
+        self
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -194,6 +200,16 @@ impl HttpServer {
             served = serving => served.map_err(HttpError::Serve),
             _ = drained => Ok(()),
         }
+    }
+}
+
+fn guard<S: Clone + Send + Sync + 'static>(
+    routes: Router<S>,
+    auth: &Option<Arc<BasicAuth>>,
+) -> Router<S> {
+    match auth {
+        Some(auth) => routes.layer(middleware::from_fn_with_state(auth.clone(), require_auth)),
+        None => routes,
     }
 }
 

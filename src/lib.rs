@@ -28,6 +28,8 @@
 //! - [`redact`]: the one place connection URLs lose their passwords.
 //! - [`retry`]: the one pacing helper for reconnect and retry loops.
 //! - [`supervisor`]: runs background roles under one cancellation token.
+//! - [`ui`]: the web dashboard `almanac run` serves (read-only unless
+//!   `--ui-actions`).
 
 pub mod broker;
 pub mod cli;
@@ -43,4 +45,5 @@ pub mod relay;
 pub mod retry;
 pub mod scheduler;
 pub mod supervisor;
+pub mod ui;
 pub mod worker;

@@ -10,7 +10,7 @@ use crate::maintenance::JanitorConfig;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpFlags {
-    /// Where /healthz, /readyz and /metrics listen, HOST:PORT or `off`
+    /// Where /healthz, /readyz, /metrics (and, for `run`, the dashboard) listen, HOST:PORT or `off`
     /// [default: 127.0.0.1:9797 for `run`, off for `work` and `consume`].
     #[arg(long, env = "ALMANAC_HTTP_ADDR", value_name = "ADDR|off")]
     pub http_addr: Option<HttpAddr>,
@@ -18,6 +18,25 @@ pub struct HttpFlags {
     /// listen beyond loopback. Prefer the environment variable.
     #[arg(long, env = "ALMANAC_HTTP_BASIC_AUTH", hide_env_values = true)]
     pub http_basic_auth: Option<BasicAuth>,
+}
+
+/// `almanac run`'s dashboard switches.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UiFlags {
+    /// Let the dashboard retry dead jobs (POST forms with a CSRF token);
+    /// without it the dashboard is read-only.
+    #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub ui_actions: Option<bool>,
+}
+
+impl UiFlags {
+    /// The flag, else `ui_actions` in the config file, else off.
+    pub fn config(&self, ctx: &Ctx) -> crate::ui::UiConfig {
+        crate::ui::UiConfig {
+            actions: self.ui_actions.or(ctx.config.ui_actions).unwrap_or(false),
+        }
+    }
 }
 
 impl HttpFlags {

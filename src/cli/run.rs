@@ -9,7 +9,7 @@
 use anyhow::{bail, Context as _};
 use tokio::sync::mpsc;
 
-use super::ops::{HttpFlags, JanitorFlags};
+use super::ops::{HttpFlags, JanitorFlags, UiFlags};
 use super::sinks::{RelayFlags, SinkFlags};
 use super::{Ctx, SchedulesDir};
 use crate::config::HumanDuration;
@@ -59,6 +59,8 @@ pub struct Args {
     redrive_after: Option<HumanDuration>,
     #[command(flatten)]
     http: HttpFlags,
+    #[command(flatten)]
+    ui: UiFlags,
     #[command(flatten)]
     janitor: JanitorFlags,
     #[command(flatten)]
@@ -189,6 +191,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.migrated_pool(8).await?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
+        let server = server.mount(crate::ui::router(pool.clone(), args.ui.config(ctx)));
         supervisor.spawn("http", server.run(supervisor.token()));
     }
     if let Some(scheduler) = scheduler {

@@ -38,6 +38,7 @@
 
 mod admin;
 mod backoff;
+pub mod browse;
 mod enqueue;
 mod lease;
 mod retention;

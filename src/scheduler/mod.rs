@@ -32,6 +32,7 @@
 
 pub mod backfill;
 pub mod cron;
+pub mod history;
 pub mod leader;
 pub mod ledger;
 pub mod plan;

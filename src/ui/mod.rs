@@ -1,0 +1,227 @@
+//! The web dashboard `almanac run` serves at `/` on `--http-addr`: the
+//! queue, dead letters, schedules with their run calendar, and routes.
+//!
+//! Server-rendered HTML ([maud]); one small stylesheet and a few lines of
+//! plain JavaScript (auto-refresh, nothing else) are compiled into the
+//! binary. Every page works without JavaScript.
+//!
+//! **Guarantees.**
+//! - *Read-only unless `--ui-actions`.* Pages are `GET`s that read inside a
+//!   `READ ONLY` transaction with a 5 s `statement_timeout`. The only writes
+//!   are the operator retries (one dead job, or every dead job of a group
+//!   after a confirmation page showing how many), which are `POST`s and are
+//!   refused with 403 and a message saying how to turn them on unless the
+//!   process was started with `--ui-actions` (`ALMANAC_UI_ACTIONS`,
+//!   `ui_actions` in `almanac.toml`). Without it no action form is rendered.
+//! - *CSRF.* Each process draws a random 256-bit token at start and embeds
+//!   it in every action form; a `POST` whose `csrf` field does not equal it
+//!   (compared in constant time) is refused with 403. Another site can make
+//!   a browser send a `POST` here but cannot read a page of this origin, so
+//!   it cannot learn the token; and since the dashboard sets no cookies
+//!   there is no session to ride. We chose a per-process token over a
+//!   double-submit cookie because it needs no cookie at all and no per-user
+//!   state; the price is that a form left open across a restart must be
+//!   reloaded (the message says so).
+//! - *Framing.* Every response forbids framing (`X-Frame-Options: DENY`,
+//!   CSP `frame-ancestors 'none'`), so another site cannot overlay a retry
+//!   button to steal a click; scripts and styles load from this origin only.
+//! - *Auth.* The dashboard sits behind the same `--http-basic-auth` as
+//!   `/metrics` (see [`crate::http`]); binding beyond loopback requires it.
+//! - *Cheap queries.* No page reads done jobs in bulk: counts come from the
+//!   partial indexes of unfinished and dead rows and the planner's estimate
+//!   ([`crate::metrics::snapshot`]); the jobs list is a keyset page on `id`
+//!   that scans a bounded id range ([`crate::queue::browse`]); the calendar
+//!   reads one schedule's ledger rows for its window and the statuses of
+//!   their jobs by primary key. `tests/ui.rs` checks the plans with
+//!   `EXPLAIN` on a table of done jobs.
+
+mod dead;
+mod jobs;
+mod outbox;
+mod overview;
+mod routes;
+mod schedules;
+mod view;
+
+use std::sync::Arc;
+
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use sqlx::{PgPool, Postgres, Transaction};
+
+/// How the dashboard is served.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UiConfig {
+    /// Allow the retry actions (`--ui-actions`).
+    pub actions: bool,
+}
+
+#[derive(Clone)]
+struct Ui {
+    pool: PgPool,
+    actions: bool,
+    csrf: Arc<str>,
+}
+
+/// The dashboard's routes, to mount on the HTTP server.
+pub fn router(pool: PgPool, config: UiConfig) -> Router {
+    let ui = Ui {
+        pool,
+        actions: config.actions,
+        csrf: new_token().into(),
+    };
+    Router::new()
+        .route("/", get(overview::page))
+        .route("/jobs", get(jobs::list))
+        .route("/jobs/{id}", get(jobs::detail))
+        .route("/jobs/{id}/retry", post(dead::retry_one))
+        .route("/dead", get(dead::page))
+        .route("/dead/retry", get(dead::confirm).post(dead::retry_all))
+        .route("/schedules", get(schedules::list))
+        .route("/schedules/{name}", get(schedules::detail))
+        .route("/routes", get(routes::page))
+        .route("/ui/style.css", get(style))
+        .route("/ui/app.js", get(script))
+        .layer(axum::middleware::map_response(protect))
+        .with_state(ui)
+}
+
+async fn protect(mut response: Response) -> Response {
+    use axum::http::HeaderValue;
+    let headers = response.headers_mut();
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
+        ),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+fn new_token() -> String {
+    use rand::RngCore as _;
+    let mut bytes = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Ui {
+    /// A read-only transaction with a statement deadline, for one page.
+    async fn read(&self) -> Result<Transaction<'static, Postgres>, UiError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SET LOCAL statement_timeout = '5s'")
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
+    /// Admits an action: refused unless `--ui-actions` and the form carries
+    /// this process's CSRF token.
+    fn admit(&self, token: Option<&str>) -> Result<(), UiError> {
+        if !self.actions {
+            return Err(UiError::Forbidden(ACTIONS_OFF.into()));
+        }
+        let given = token.unwrap_or("").as_bytes();
+        let ours = self.csrf.as_bytes();
+        let same = given.len() == ours.len()
+            && given.iter().zip(ours).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
+        if !same {
+            return Err(UiError::Forbidden(
+                "The form's CSRF token does not match this almanac process (it changes at every start). Reload the page and submit again.".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry jobs from here, or use `almanac jobs retry ID`.";
+
+/// What a page or an action can fail with; shown as a page with its status.
+#[derive(Debug, thiserror::Error)]
+enum UiError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("database error: {0}")]
+    Db(String),
+}
+
+impl From<sqlx::Error> for UiError {
+    fn from(err: sqlx::Error) -> Self {
+        UiError::Db(err.to_string())
+    }
+}
+
+impl From<crate::queue::QueueError> for UiError {
+    fn from(err: crate::queue::QueueError) -> Self {
+        use crate::queue::QueueError;
+        match err {
+            QueueError::NotFound(id) => UiError::NotFound(format!("No job with id {id}.")),
+            QueueError::WrongStatus { .. } | QueueError::Invalid(_) => {
+                UiError::BadRequest(err.to_string())
+            }
+            QueueError::Db(err) => err.into(),
+        }
+    }
+}
+
+impl From<crate::scheduler::ledger::LedgerError> for UiError {
+    fn from(err: crate::scheduler::ledger::LedgerError) -> Self {
+        UiError::Db(err.to_string())
+    }
+}
+
+impl From<crate::scheduler::backfill::BackfillError> for UiError {
+    fn from(err: crate::scheduler::backfill::BackfillError) -> Self {
+        UiError::Db(err.to_string())
+    }
+}
+
+impl IntoResponse for UiError {
+    fn into_response(self) -> Response {
+        let (status, title) = match &self {
+            UiError::NotFound(_) => (StatusCode::NOT_FOUND, "Not found"),
+            UiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "Cannot do that"),
+            UiError::Forbidden(_) => (StatusCode::FORBIDDEN, "Refused"),
+            UiError::Db(_) => (StatusCode::INTERNAL_SERVER_ERROR, "Database error"),
+        };
+        if let UiError::Db(message) = &self {
+            tracing::error!(error = %message, "dashboard page failed");
+        }
+        let body = maud::html! {
+            p #error-message .error { (self.to_string()) }
+            p { a href="/" { "Back to the overview" } }
+        };
+        (
+            status,
+            Html(view::layout(title, "", false, body).into_string()),
+        )
+            .into_response()
+    }
+}
+
+type Page = Result<Html<String>, UiError>;
+
+async fn style() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("style.css"),
+    )
+}
+
+async fn script() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("app.js"),
+    )
+}

@@ -1,0 +1,72 @@
+//! `/routes`: each kind's mode, sink and destination, its outbox backlog
+//! and oldest unpublished age, the outbox per sink, and failed rows.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::response::Html;
+use maud::html;
+
+use super::view::{age, dash, enc, layout};
+use super::{outbox, Page, Ui, UiError};
+use crate::relay::outbox as relay_outbox;
+use crate::relay::routes;
+
+const FAILED_ROWS: i64 = 50;
+
+pub(super) async fn page(State(ui): State<Ui>) -> Page {
+    let mut tx = ui.read().await?;
+    let routes = routes::list(&mut tx)
+        .await
+        .map_err(|e| UiError::Db(e.to_string()))?;
+    let backlog: BTreeMap<String, outbox::KindBacklog> = outbox::backlog_by_kind(&mut tx)
+        .await?
+        .into_iter()
+        .map(|b| (b.kind.clone(), b))
+        .collect();
+    let sinks = relay_outbox::stats(&mut *tx).await?;
+    let failed = outbox::failed(&mut tx, FAILED_ROWS).await?;
+    tx.commit().await?;
+    let body = html! {
+        @if routes.is_empty() {
+            p .muted { "No routes set: every kind runs from the database (mode db). Set one with "
+                code { "almanac route set KIND --mode dual --sink kafka --destination TOPIC" } "." }
+        } @else {
+            div .scroll { table #routes {
+                thead { tr { th { "kind" } th { "mode" } th { "sink" } th { "destination" } th .num { "backlog" } th .num { "oldest unpublished" } } }
+                tbody {
+                    @for r in &routes {
+                        @let b = backlog.get(&r.kind);
+                        tr data-kind=(r.kind) {
+                            td { a href={"/jobs?kind=" (enc(&r.kind))} { (r.kind) } }
+                            td { span .badge .(r.mode) { (r.mode) } }
+                            td { @match &r.sink { Some(s) => (s), None => (dash()) } }
+                            td { @match &r.destination { Some(d) => code { (d) }, None => (dash()) } }
+                            td .num data-field="backlog" { (b.map_or(0, |b| b.backlog)) }
+                            td .num { @match b { Some(b) => (age(b.oldest_seconds)), None => (dash()) } }
+                        }
+                    }
+                }
+            } }
+        }
+        h2 { "Outbox per sink" }
+        div .scroll { table #sinks {
+            thead { tr { th { "sink" } th .num { "backlog" } th .num { "in flight" } th .num { "oldest unpublished" } th .num { "failed" } } }
+            tbody {
+                @for s in &sinks {
+                    tr data-sink=(s.sink) {
+                        td { (s.sink) }
+                        td .num data-field="backlog" { (s.backlog) }
+                        td .num { (s.in_flight) }
+                        td .num { (age(s.oldest_unpublished_seconds)) }
+                        td .num data-field="failed" { (s.failed) }
+                    }
+                }
+            }
+        } }
+        h2 { "Failed rows" }
+        p .muted { "Rows the broker rejected for good (their jobs went dead); the newest " (FAILED_ROWS) "." }
+        div #failed { (outbox::table(&failed)) }
+    };
+    Ok(Html(layout("Routes", "/routes", true, body).into_string()))
+}

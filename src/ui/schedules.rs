@@ -1,0 +1,248 @@
+//! `/schedules` and `/schedules/{name}` with its run calendar.
+//!
+//! The definitions are the ones last synced to the database (what the
+//! scheduler runs), lag is the metrics snapshot's, and the calendar's
+//! missing cells are `almanac gaps` for the same range
+//! ([`crate::scheduler::history::calendar`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+use axum::extract::{Path, Query, State};
+use axum::response::Html;
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use maud::{html, Markup};
+use serde::Deserialize;
+
+use super::view::{age, dash, enc, layout, time};
+use super::{Page, Ui, UiError};
+use crate::config::HumanDuration;
+use crate::metrics::snapshot;
+use crate::scheduler::backfill::db_now;
+use crate::scheduler::history::{self, CellState, Synced};
+use crate::scheduler::spec::Schedule;
+
+fn next_fire(s: &Schedule, now: DateTime<Utc>) -> Markup {
+    match s.next_after(now) {
+        Some(run) if s.enabled => html! {
+            span .local { (run.fire_at.with_timezone(&s.timeline.tz()).format("%Y-%m-%d %H:%M:%S %Z")) }
+            br; span .muted { (time(run.fire_at)) }
+        },
+        Some(_) => html! { span .muted { "disabled" } },
+        None => html! { span .muted { "never" } },
+    }
+}
+
+fn policy(row: &Synced) -> String {
+    format!(
+        "catch-up {} (window {}), overlap {}",
+        row.catchup,
+        HumanDuration(std::time::Duration::from_secs_f64(
+            row.catchup_window_seconds.max(0.0)
+        )),
+        row.overlap
+    )
+}
+
+pub(super) async fn list(State(ui): State<Ui>) -> Page {
+    let mut tx = ui.read().await?;
+    let rows = history::synced(&mut tx).await?;
+    let lags: HashMap<String, f64> = snapshot::schedules(&mut tx)
+        .await?
+        .into_iter()
+        .map(|s| (s.name, s.lag_seconds))
+        .collect();
+    let emitted = history::last_emitted(&mut tx).await?;
+    let now = db_now(&mut tx).await?;
+    tx.commit().await?;
+    let body = html! {
+        @if rows.is_empty() {
+            p .muted { "No schedules synced yet: the scheduler syncs the schedule files when it leads." }
+        } @else {
+            div .scroll { table #schedules {
+                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } } }
+                tbody {
+                    @for row in &rows {
+                        tr data-name=(row.name) {
+                            td { a href={"/schedules/" (enc(&row.name))} { (row.name) } }
+                            td { code { (row.cron) } }
+                            td { (row.timezone) }
+                            td { @match row.schedule() {
+                                Ok(s) => (next_fire(&s, now)),
+                                Err(e) => span .error { (e) },
+                            } }
+                            td { @match emitted.get(&row.name) { Some((run, _)) => (run), None => (dash()) } }
+                            td .num { @match lags.get(&row.name) { Some(l) => (age(*l)), None => (dash()) } }
+                            td .small { (policy(row)) }
+                        }
+                    }
+                }
+            } }
+        }
+    };
+    Ok(Html(
+        layout("Schedules", "/schedules", true, body).into_string(),
+    ))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct DetailQuery {
+    /// A missing run the reader clicked: show its backfill command.
+    missing: Option<String>,
+}
+
+/// The `almanac backfill` command for one run (both bounds inclusive,
+/// RFC 3339, so the range is exactly that run).
+pub(super) fn backfill_command(name: &str, fire_at: DateTime<Utc>) -> String {
+    let at = fire_at.format("%Y-%m-%dT%H:%M:%SZ");
+    let name = if name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        name.to_string()
+    } else {
+        format!("'{}'", name.replace('\'', "'\\''"))
+    };
+    format!("almanac backfill {name} --from {at} --to {at}")
+}
+
+pub(super) async fn detail(
+    State(ui): State<Ui>,
+    Path(name): Path<String>,
+    Query(dq): Query<DetailQuery>,
+) -> Page {
+    let mut tx = ui.read().await?;
+    let row = history::synced_one(&mut tx, &name)
+        .await?
+        .ok_or_else(|| UiError::NotFound(format!("No schedule named `{name}` has been synced.")))?;
+    let schedule = row.schedule().map_err(UiError::BadRequest)?;
+    let calendar = history::calendar(&mut tx, &schedule, row.created_at).await?;
+    let lag = snapshot::schedules(&mut tx)
+        .await?
+        .into_iter()
+        .find(|s| s.name == name)
+        .map(|s| s.lag_seconds);
+    let emitted = history::last_emitted(&mut tx).await?;
+    let now = db_now(&mut tx).await?;
+    tx.commit().await?;
+
+    let tz: Tz = schedule.timeline.tz();
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for c in &calendar.cells {
+        *counts.entry(c.state.class()).or_default() += 1;
+    }
+    let clicked = dq
+        .missing
+        .as_ref()
+        .and_then(|run| calendar.cells.iter().find(|c| &c.run.logical_run == run));
+    let daily = schedule.timeline.is_daily();
+    let body = html! {
+        dl .facts {
+            dt { "cron" } dd { code { (row.cron) } " in " (row.timezone) }
+            dt { "kind" } dd { a href={"/jobs?schedule=" (enc(&row.name))} { (row.kind) } }
+            dt { "enabled" } dd { (row.enabled) }
+            dt { "next fire" } dd #next-fire { (next_fire(&schedule, now)) }
+            dt { "last emitted" } dd { @match emitted.get(&row.name) {
+                Some((run, at)) => { (run) " (" (time(*at)) ")" },
+                None => (dash()),
+            } }
+            dt { "lag" } dd #lag { @match lag { Some(l) => (age(l)), None => (dash()) } }
+            dt { "policy" } dd { (policy(&row)) }
+            dt { "start" } dd { @match row.start { Some(d) => (d), None => (dash()) } }
+            dt { "first synced" } dd { (time(row.created_at)) }
+        }
+        h2 { "Run calendar" }
+        p .muted {
+            @if daily { "The last " (history::CALENDAR_DAYS) " days" } @else { "The last " (calendar.cells.len()) " runs" }
+            ", " (tz.name()) " dates. Missing runs are what "
+            code { "almanac gaps" } " reports; click one for its backfill command."
+        }
+        p .legend #legend {
+            @for class in ["done", "emitted", "failed", "skipped", "missing", "presync"] {
+                span .cell .(class) {} " " (label(class)) " "
+                strong data-state=(class) { (counts.get(class).copied().unwrap_or(0)) } " "
+            }
+        }
+        @if let Some(cell) = clicked {
+            @if cell.state == CellState::Missing {
+                div #backfill .flash {
+                    p { "Run " strong { (cell.run.logical_run) } " is missing. To emit it:" }
+                    pre #backfill-cmd { (backfill_command(&row.name, cell.run.fire_at)) }
+                }
+            }
+        }
+        div .calendar #calendar {
+            @for (i, c) in calendar.cells.iter().enumerate() {
+                @let local = c.run.fire_at.with_timezone(&tz);
+                @let new_day = i == 0 || calendar.cells[i - 1].run.fire_at.with_timezone(&tz).date_naive() != local.date_naive();
+                @let text = cell_text(&local, daily, i == 0, new_day);
+                @let title = format!("{} · {}{}", c.run.logical_run, describe(&c.state), c.source.as_deref().map(|s| format!(" · {s}")).unwrap_or_default());
+                @match &c.state {
+                    CellState::Done { job_id } | CellState::Failed { job_id } | CellState::Emitted { job_id } => {
+                        a .cell .(c.state.class()) href={"/jobs/" (job_id)} title=(title) data-run=(c.run.logical_run) { (text) }
+                    },
+                    CellState::Missing => {
+                        a .cell .missing href={"?missing=" (enc(&c.run.logical_run)) "#backfill"} title=(title) data-run=(c.run.logical_run) { (text) }
+                    },
+                    _ => { span .cell .(c.state.class()) title=(title) data-run=(c.run.logical_run) { (text) } },
+                }
+            }
+        }
+    };
+    Ok(Html(
+        layout(&format!("Schedule {}", row.name), "/schedules", false, body).into_string(),
+    ))
+}
+
+/// A cell's label: the day (daily) or the time (sub-daily), with the month
+/// or the date where it changes so the calendar can be read without hovering.
+fn cell_text(local: &DateTime<Tz>, daily: bool, first: bool, new_day: bool) -> String {
+    match (
+        daily,
+        first || local.format("%d").to_string() == "01",
+        new_day,
+    ) {
+        (true, true, _) => local.format("%b %-d").to_string(),
+        (true, false, _) => local.format("%d").to_string(),
+        (false, _, true) => local.format("%b %-d %H:%M").to_string(),
+        (false, _, false) => local.format("%H:%M").to_string(),
+    }
+}
+
+fn label(class: &str) -> &'static str {
+    match class {
+        "done" => "done",
+        "emitted" => "emitted",
+        "failed" => "failed",
+        "skipped" => "skipped",
+        "missing" => "missing",
+        _ => "before first sync",
+    }
+}
+
+fn describe(state: &CellState) -> String {
+    match state {
+        CellState::Emitted { job_id } => format!("emitted, job {job_id} not finished"),
+        CellState::Done { job_id } => format!("done, job {job_id}"),
+        CellState::Failed { job_id } => format!("failed, job {job_id} is dead"),
+        CellState::JobDeleted => "emitted, job deleted by retention".into(),
+        CellState::Skipped { reason } => format!("skipped ({reason})"),
+        CellState::Missing => "missing".into(),
+        CellState::BeforeFirstSync => "before the schedule's first sync".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backfill_commands_cover_exactly_the_run_and_quote_odd_names() {
+        let at: DateTime<Utc> = "2026-11-20T02:00:00Z".parse().unwrap();
+        assert_eq!(
+            backfill_command("nightly-report", at),
+            "almanac backfill nightly-report --from 2026-11-20T02:00:00Z --to 2026-11-20T02:00:00Z"
+        );
+        assert!(backfill_command("it's mine", at).starts_with("almanac backfill 'it'\\''s mine' "));
+    }
+}
