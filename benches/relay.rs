@@ -99,7 +99,6 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
 /// `MESSAGES` rows are through. The ceiling the database puts on the relay.
 async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Duration> {
     let lease = RelayConfig::default().in_flight_lease;
-    let pool = &outbox::relay_pool(pool, 3);
     let start = Instant::now();
     let mut done = 0;
     let mut marking: Option<tokio::task::JoinHandle<Result<u64, sqlx::Error>>> = None;

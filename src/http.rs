@@ -173,6 +173,11 @@ impl HttpServer {
         })
     }
 
+    /// Whether basic auth guards `/metrics` and what is mounted.
+    pub fn has_auth(&self) -> bool {
+        self.auth.is_some()
+    }
+
     /// Adds `routes` (the dashboard) behind the same basic auth as `/metrics`.
     pub fn mount(mut self, routes: Router) -> HttpServer {
         self.router = self.router.merge(guard(routes, &self.auth));

@@ -155,11 +155,16 @@ async fn exec(pool: &PgPool, sql: &str) {
 
 /// A POST with a form body, for what a browser would not send from our pages.
 async fn post(addr: &str, path: &str, form: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
         form.len()
     );
+    raw(addr, &request).await
+}
+
+/// Sends `request` as written and returns the status and the whole reply.
+async fn raw(addr: &str, request: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).await.unwrap();
@@ -874,8 +879,11 @@ async fn the_dashboard_sits_behind_basic_auth_when_configured(pool: PgPool) {
     .await
     .unwrap()
     .mount(almanac::ui::router(
-        pool.clone(),
-        almanac::ui::UiConfig { actions: true },
+        &pool,
+        almanac::ui::UiConfig {
+            actions: true,
+            any_host: true,
+        },
     ));
     let addr = server.local_addr().to_string();
     let stop = tokio_util::sync::CancellationToken::new();
@@ -951,4 +959,65 @@ async fn a_group_retry_takes_exactly_its_group_in_batches(pool: PgPool) {
             .unwrap(),
         0
     );
+}
+
+/// Without basic auth the dashboard answers only to loopback names, so a
+/// site that re-points its own name at 127.0.0.1 (DNS rebinding) cannot read
+/// it or its CSRF token; and an action posted from another site is refused
+/// before anything else is looked at.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn foreign_hosts_and_cross_site_posts_are_refused(pool: PgPool) {
+    let server = almanac::http::HttpServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        &pool.connect_options(),
+    )
+    .await
+    .unwrap();
+    let ui = almanac::ui::UiConfig {
+        actions: true,
+        any_host: server.has_auth(),
+    };
+    let server = server.mount(almanac::ui::router(&pool, ui));
+    let addr = server.local_addr().to_string();
+    let port = server.local_addr().port();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+
+    let get =
+        |host: String| format!("GET /dead HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let (status, reply) = raw(&addr, &get(format!("evil.example:{port}"))).await;
+    assert_eq!(status, 421, "{reply}");
+    assert!(reply.contains("answers only to localhost"), "{reply}");
+    for host in [
+        format!("localhost:{port}"),
+        addr.clone(),
+        format!("[::1]:{port}"),
+    ] {
+        let (status, reply) = raw(&addr, &get(host.clone())).await;
+        assert_eq!(status, 200, "{host}: {reply}");
+    }
+
+    let form = "kind=x";
+    let cross = |header: &str| {
+        format!(
+            "POST /dead/retry HTTP/1.1\r\nHost: {addr}\r\n{header}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    for header in ["Origin: http://evil.example", "Sec-Fetch-Site: cross-site"] {
+        let (status, reply) = raw(&addr, &cross(header)).await;
+        assert_eq!(status, 403, "{header}: {reply}");
+        assert!(
+            reply.contains("sent from another site"),
+            "{header}: {reply}"
+        );
+    }
+    // From its own page the same POST gets past the check (and is then
+    // refused for its missing CSRF token, not for where it came from).
+    let (status, reply) = raw(&addr, &cross(&format!("Origin: http://{addr}"))).await;
+    assert_eq!(status, 403, "{reply}");
+    assert!(reply.contains("CSRF token"), "{reply}");
+    stop.cancel();
+    serving.await.unwrap().unwrap();
 }

@@ -31,10 +31,12 @@ pub struct UiFlags {
 }
 
 impl UiFlags {
-    /// The flag, else `ui_actions` in the config file, else off.
-    pub fn config(&self, ctx: &Ctx) -> crate::ui::UiConfig {
+    /// The flag, else `ui_actions` in the config file, else off; for the
+    /// dashboard on `server`.
+    pub fn config(&self, ctx: &Ctx, server: &HttpServer) -> crate::ui::UiConfig {
         crate::ui::UiConfig {
             actions: self.ui_actions.or(ctx.config.ui_actions).unwrap_or(false),
+            any_host: server.has_auth(),
         }
     }
 }

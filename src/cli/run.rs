@@ -191,7 +191,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.migrated_pool(8).await?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
-        let server = server.mount(crate::ui::router(pool.clone(), args.ui.config(ctx)));
+        let ui = args.ui.config(ctx, &server);
+        let server = server.mount(crate::ui::router(&pool, ui));
         supervisor.spawn("http", server.run(supervisor.token()));
     }
     if let Some(scheduler) = scheduler {

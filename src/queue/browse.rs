@@ -150,7 +150,7 @@ pub struct DeadGroup {
 }
 
 /// The first line of `last_error`, as the groups use it (SQL).
-const FIRST_LINE: &str = "split_part(coalesce(last_error, ''), E'\\n', 1)";
+const FIRST_LINE: &str = "rtrim(split_part(coalesce(last_error, ''), E'\\n', 1), E'\\r')";
 
 /// Dead jobs grouped by kind and the first line of their error, largest
 /// group first, at most `limit` groups. Reads dead rows only.

@@ -13,7 +13,7 @@
 //!   and its acknowledgements awaited outside any transaction; then a second
 //!   short transaction marks each row by its outcome, naming the token. No row
 //!   lock or transaction is held while a broker thinks. Claims and marks commit
-//!   asynchronously ([`outbox::relay_pool`] says why that is safe). While one batch is in
+//!   asynchronously ([`outbox::begin_async_commit`] says why that is safe). While one batch is in
 //!   flight the next is claimed, and the previous one is marked.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
 //!   are marked published. A `Retriable` failure (broker down, timeout, broken
@@ -170,18 +170,13 @@ enum Outcome {
 
 pub struct Relay {
     pool: PgPool,
-    /// Claims and marks only ([`outbox::relay_pool`]).
-    outbox_db: PgPool,
     publisher: Publisher,
     config: RelayConfig,
 }
 
 impl Relay {
-    /// Claims and marks go through connections of their own with
-    /// asynchronous commit ([`outbox::relay_pool`]).
     pub fn new(pool: PgPool, publisher: Publisher, config: RelayConfig) -> Self {
         Relay {
-            outbox_db: outbox::relay_pool(&pool, 3),
             pool,
             publisher,
             config,
@@ -189,7 +184,7 @@ impl Relay {
     }
 
     fn claim(&self) -> impl std::future::Future<Output = Result<Claimed, sqlx::Error>> + 'static {
-        let (pool, sink) = (self.outbox_db.clone(), self.publisher.sink());
+        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
         let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
         async move { outbox::claim(&pool, sink, limit, lease).await }
     }
@@ -227,13 +222,7 @@ impl Relay {
             return Err(RelayError::Failpoint(point));
         }
         let outcomes = self.outcomes(&claimed.rows, results);
-        Ok(mark(
-            self.outbox_db.clone(),
-            self.publisher.sink(),
-            claimed,
-            outcomes,
-        )
-        .await?)
+        Ok(mark(self.pool.clone(), self.publisher.sink(), claimed, outcomes).await?)
     }
 
     /// Publishes due rows batch after batch until a batch comes back short
@@ -304,13 +293,23 @@ impl Relay {
             }
         }
         if let Some(claim) = next_claim {
-            // Rows claimed ahead and never sent are handed back at once (if
-            // that fails, they come back when their in-flight lease ends).
-            if let Ok(Ok(batch)) = claim.await {
+            // Rows claimed ahead and never sent are handed back at once. If
+            // that fails or takes too long (a database that stopped
+            // answering), they come back when their in-flight lease ends.
+            let pool = self.pool.clone();
+            let hand_back = async move {
+                let batch = claim
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
                 let ids: Vec<i64> = batch.rows.iter().map(|r| r.id).collect();
-                if let Err(e) = outbox::release(&self.outbox_db, batch.token, &ids).await {
-                    warn!(sink = %self.publisher.sink(), %e, "handing back rows claimed ahead failed; they return after their in-flight lease");
-                }
+                outbox::release(&pool, batch.token, &ids)
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            let outcome = tokio::time::timeout(Duration::from_secs(5), hand_back).await;
+            if !matches!(outcome, Ok(Ok(_))) {
+                warn!(sink = %self.publisher.sink(), "handing back rows claimed ahead failed or timed out; they return after their in-flight lease");
             }
         }
         result.map(|()| report)
@@ -335,7 +334,7 @@ impl Relay {
         if let Some(previous) = marking.take() {
             *report += join(previous).await?;
         }
-        let (pool, sink) = (self.outbox_db.clone(), self.publisher.sink());
+        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
         *marking = Some(tokio::spawn(mark(pool, sink, batch, outcomes)));
         Ok(retrying)
     }
@@ -467,7 +466,9 @@ async fn mark(
         }
     }
     if retry_ids.is_empty() && failed_ids.is_empty() {
-        let marked = outbox::mark_published(&pool, token, &published).await?;
+        let mut tx = outbox::begin_async_commit(&pool).await?;
+        let marked = outbox::mark_published(&mut *tx, token, &published).await?;
+        tx.commit().await?;
         record_published(sink, marked);
         return Ok(RelayReport {
             published: marked,

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::broker::SinkKind;
@@ -15,22 +15,23 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The relay's own connections for claims and marks: like `pool`'s, but
-/// with asynchronous commit (`synchronous_commit = off`), so a claim or a
-/// mark does not wait for its WAL to reach the disk. That is safe here and
-/// only here: a commit that a PostgreSQL crash loses (at most the last few
-/// hundred milliseconds) undoes a claim or a mark, and the row is published
-/// once more, which the relay already allows for (a second copy is harmless:
-/// consumers claim through the job fence). Nothing is lost and no job runs
-/// twice. At most `connections` connections, opened on first use.
-pub fn relay_pool(pool: &PgPool, connections: u32) -> PgPool {
-    let options = (*pool.connect_options())
-        .clone()
-        .options([("synchronous_commit", "off")]);
-    sqlx::postgres::PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_lazy_with(options)
+/// A transaction with asynchronous commit (`SET LOCAL synchronous_commit =
+/// off`): its commit does not wait for the WAL to reach the disk. The relay
+/// claims, marks published and hands back rows this way, and nothing else.
+/// That is safe there and only there: a commit that a PostgreSQL crash loses
+/// (at most the last few hundred milliseconds) undoes a claim or a mark, and
+/// the row is published once more, which the relay already allows for (a
+/// second copy is harmless: consumers claim through the job fence). Nothing
+/// is lost and no job runs twice. Marks that bury jobs commit synchronously.
+/// (`SET LOCAL`, not a connection option, so it works through PgBouncer.)
+pub async fn begin_async_commit(
+    pool: &PgPool,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET LOCAL synchronous_commit = off")
+        .execute(&mut *tx)
+        .await?;
+    Ok(tx)
 }
 
 /// One outbox row, as claimed: the body is the payload's JSON text, headers
@@ -79,6 +80,7 @@ pub async fn claim(
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
+    let mut tx = begin_async_commit(pool).await?;
     // `id = ANY(ARRAY(...))` walks the primary key for the picked rows; a
     // join with a CTE would hash the whole table.
     let raw: Vec<RawRow> = sqlx::query_as(
@@ -102,8 +104,9 @@ pub async fn claim(
     .bind(limit)
     .bind(millis(lease))
     .bind(token)
-    .fetch_all(pool)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.commit().await?;
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
     Ok(Claimed { token, rows })
@@ -169,23 +172,22 @@ pub async fn mark_published<'e>(
 
 /// Hands back rows of a claim that were never sent (claimed ahead, then not
 /// needed): they are due again at once, and the try is not counted.
-pub async fn release<'e>(
-    db: impl PgExecutor<'e>,
-    token: Uuid,
-    ids: &[i64],
-) -> Result<u64, sqlx::Error> {
+pub async fn release(pool: &PgPool, token: Uuid, ids: &[i64]) -> Result<u64, sqlx::Error> {
     if ids.is_empty() {
         return Ok(0);
     }
-    Ok(sqlx::query(
+    let mut tx = begin_async_commit(pool).await?;
+    let released = sqlx::query(
         "UPDATE almanac.outbox SET lease_token = NULL, lease_until = NULL, attempts = attempts - 1 \
          WHERE id = ANY($1) AND lease_token = $2",
     )
     .bind(ids)
     .bind(token)
-    .execute(db)
+    .execute(&mut *tx)
     .await?
-    .rows_affected())
+    .rows_affected();
+    tx.commit().await?;
+    Ok(released)
 }
 
 /// Gives rows of a claim their error and a later `available_at`; returns how

@@ -164,14 +164,18 @@ pub(super) async fn retry_all(State(ui): State<Ui>, Form(form): Form<ActionForm>
             None
         },
     };
-    let done = async {
-        let mut conn = ui.pool.acquire().await?;
-        Ok::<_, UiError>(browse::retry_dead_matching(&mut conn, &filter).await?)
-    }
+    // Its own task: a browser that goes away mid-way does not stop the
+    // retry half-done.
+    let (pool, group) = (ui.pool.clone(), filter.clone());
+    let done = tokio::spawn(async move {
+        let mut conn = pool.acquire().await?;
+        Ok::<_, UiError>(browse::retry_dead_matching(&mut conn, &group).await?)
+    })
     .await;
     let n = match done {
-        Ok(n) => n,
-        Err(e) => return e.into_response(),
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => return UiError::Db(format!("the retry task failed: {e}")).into_response(),
     };
     tracing::info!(kind = ?filter.kind, retried = n, "dashboard: bulk retry of dead jobs");
     let expected = form.expected.unwrap_or_default();

@@ -22,6 +22,16 @@
 //!   double-submit cookie because it needs no cookie at all and no per-user
 //!   state; the price is that a form left open across a restart must be
 //!   reloaded (the message says so).
+//! - *Foreign hosts.* Without basic auth (loopback only) a request whose
+//!   `Host` is not a loopback name is refused with 421, so a page on another
+//!   site that re-points its own name at 127.0.0.1 (DNS rebinding) cannot
+//!   read the dashboard or its CSRF token. A `POST` whose `Origin` (or
+//!   `Sec-Fetch-Site`) says it comes from another site is refused too. With
+//!   basic auth the browser holds the credentials for the dashboard's own
+//!   origin only, so any `Host` is accepted.
+//! - *Its own connections.* Pages use a pool of their own (2 connections,
+//!   3 s to get one), so open tabs can never take the connections the
+//!   reaper, janitor, relay and collector need.
 //! - *Framing.* Every response forbids framing (`X-Frame-Options: DENY`,
 //!   CSP `frame-ancestors 'none'`), so another site cannot overlay a retry
 //!   button to steal a click; scripts and styles load from this origin only.
@@ -56,6 +66,9 @@ use sqlx::{PgPool, Postgres, Transaction};
 pub struct UiConfig {
     /// Allow the retry actions (`--ui-actions`).
     pub actions: bool,
+    /// Basic auth guards the dashboard, so any `Host` may be served;
+    /// otherwise only loopback names are (see "Foreign hosts" above).
+    pub any_host: bool,
 }
 
 #[derive(Clone)]
@@ -66,7 +79,11 @@ struct Ui {
 }
 
 /// The dashboard's routes, to mount on the HTTP server.
-pub fn router(pool: PgPool, config: UiConfig) -> Router {
+pub fn router(pool: &PgPool, config: UiConfig) -> Router {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(std::time::Duration::from_secs(3))
+        .connect_lazy_with((*pool.connect_options()).clone());
     let ui = Ui {
         pool,
         actions: config.actions,
@@ -85,7 +102,56 @@ pub fn router(pool: PgPool, config: UiConfig) -> Router {
         .route("/ui/style.css", get(style))
         .route("/ui/app.js", get(script))
         .layer(axum::middleware::map_response(protect))
+        .layer(axum::middleware::from_fn_with_state(config, same_site))
         .with_state(ui)
+}
+
+/// Refuses requests for a foreign host name and cross-site `POST`s (see
+/// "Foreign hosts" above).
+async fn same_site(
+    axum::extract::State(config): axum::extract::State<UiConfig>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !config.any_host && !is_loopback_host(host) {
+        return (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this dashboard answers only to localhost, 127.0.0.1 or [::1]; to serve it under another name, set --http-basic-auth\n",
+        )
+            .into_response();
+    }
+    if request.method() == axum::http::Method::POST {
+        let origin = headers.get(header::ORIGIN).and_then(|h| h.to_str().ok());
+        let fetch_site = headers.get("sec-fetch-site").and_then(|h| h.to_str().ok());
+        let foreign_origin =
+            origin.is_some_and(|o| o.split_once("://").map(|(_, rest)| rest) != Some(host));
+        let foreign_fetch = fetch_site.is_some_and(|f| f != "same-origin" && f != "none");
+        if foreign_origin || foreign_fetch {
+            return UiError::Forbidden(
+                "This action was sent from another site; submit it from the dashboard's own page."
+                    .into(),
+            )
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// `localhost`, `127.x.x.x` or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 async fn protect(mut response: Response) -> Response {
