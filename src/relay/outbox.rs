@@ -71,7 +71,7 @@ pub struct Claimed {
 /// transaction): `FOR UPDATE SKIP LOCKED`, then an in-flight lease of
 /// `lease` in `lease_until` (the row comes due again when it ends), a fresh
 /// token, and `attempts + 1`. Only columns no index covers change, so the
-/// update is HOT (migration `0010_outbox_hot_claim.sql`): rows in flight keep
+/// update is HOT (migration `0013_outbox_hot_claim.sql`): rows in flight keep
 /// their place in `outbox_due_idx` and the scan steps over them.
 pub async fn claim(
     pool: &PgPool,
