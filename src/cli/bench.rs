@@ -284,19 +284,22 @@ async fn timed_burn(pool: &PgPool, worker: Worker) -> anyhow::Result<f64> {
     let started = Instant::now();
     let running = tokio::spawn(worker.run(stop.clone()));
     loop {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM almanac.jobs WHERE status = 'ready')
-                  + (SELECT count(*) FROM almanac.jobs WHERE status = 'running')",
+        // Two index probes that stop at the first row (0.2 ms). Counting
+        // the unfinished rows took 7 ms at 100,000 ready: a third of a core
+        // taken from the database being measured.
+        let left: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'ready')
+                 OR EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'running')",
         )
         .fetch_one(pool)
         .await?;
-        if left == 0 {
+        if !left {
             break;
         }
         if running.is_finished() {
-            anyhow::bail!("the worker stopped with {left} jobs left");
+            anyhow::bail!("the worker stopped with jobs left");
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let elapsed = started.elapsed();
     stop.cancel();
