@@ -14,7 +14,8 @@ use tracing::{info, warn};
 
 use super::executor::{Executor, WorkerReport};
 use super::{Handler, WorkerConfig};
-use crate::queue::{self, Claim, NOTIFY_CHANNEL};
+use crate::db;
+use crate::queue::{self, Claim, QueueError, NOTIFY_CHANNEL};
 use crate::retry::Retry;
 
 pub(super) async fn run(
@@ -42,24 +43,29 @@ pub(super) async fn run(
     // A claim that gets no answer is abandoned: should it have committed,
     // its leases expire and the reaper takes the jobs back.
     let claim_within = config.lease / 3;
+    let mut link = db::Held::of(&pool);
     while !shutdown.is_cancelled() {
-        let free = executor.free_slots().min(config.batch_size);
-        if free == 0 {
+        if executor.free_slots() == 0 {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 slot = executor.slot() => drop(slot),
             }
             continue;
         }
+        let free = executor.free_slots().min(config.batch_size);
         let sent = Instant::now();
         let claim = Claim {
             kinds: &kinds,
             limit: free as i64,
             lease: config.lease,
         };
+        let claiming = async {
+            let conn = link.get().await.map_err(QueueError::from)?;
+            queue::claim(conn, &claim).await
+        };
         let claimed = tokio::select! {
             _ = shutdown.cancelled() => break,
-            claimed = tokio::time::timeout(claim_within, queue::claim(&pool, &claim)) => claimed,
+            claimed = tokio::time::timeout(claim_within, claiming) => claimed,
         };
         let jobs = match claimed {
             Ok(Ok(jobs)) => {
@@ -67,6 +73,7 @@ pub(super) async fn run(
                 jobs
             }
             failed => {
+                link.discard();
                 let err = match failed {
                     Ok(Err(err)) => err.to_string(),
                     _ => format!("no answer from the database within {claim_within:?}"),
