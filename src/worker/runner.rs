@@ -44,11 +44,19 @@ pub(super) async fn run(
     // its leases expire and the reaper takes the jobs back.
     let claim_within = config.lease / 3;
     let mut link = db::Held::of(&pool);
+    // While the last claim came back full (a backlog), the next one waits
+    // until half a batch of slots is free: a claim costs a round trip
+    // whatever its size, and claims of one or two jobs at a time as single
+    // slots free up would make the round trips, not the handlers, the limit.
+    // An idle worker claims as soon as it is woken, into any free slot.
+    let refill = (config.batch_size.min(config.concurrency) / 2).max(1);
+    let mut backlog = false;
     while !shutdown.is_cancelled() {
-        if executor.free_slots() == 0 {
+        let want = if backlog { refill } else { 1 };
+        if executor.free_slots() < want {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                slot = executor.slot() => drop(slot),
+                slots = executor.slots(want) => drop(slots),
             }
             continue;
         }
@@ -85,7 +93,7 @@ pub(super) async fn run(
                 break;
             }
         };
-        let filled = jobs.len() == free;
+        backlog = jobs.len() == free;
         for job in jobs {
             let slot = executor.try_slot().expect("a free slot per claimed job");
             let handler = handlers[&job.kind].clone();
@@ -96,7 +104,7 @@ pub(super) async fn run(
                     .expect("the executor shuts down only after this loop"),
             );
         }
-        if filled {
+        if backlog {
             continue;
         }
         tokio::select! {
