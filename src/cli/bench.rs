@@ -45,10 +45,10 @@ pub struct Args {
     #[arg(long, default_value_t = 5000)]
     exec_jobs: u64,
     /// Tuned runtime: handlers at once.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 2000)]
     tuned_concurrency: usize,
     /// Tuned runtime: jobs per claim.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 1000)]
     tuned_batch_size: usize,
     /// One JSON object instead of a table.
     #[arg(long)]
