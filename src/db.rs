@@ -168,6 +168,44 @@ async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<
     }
 }
 
+/// A connection of its own, outside any pool, kept across statements by a
+/// loop that runs one statement after another (the worker's claims, the
+/// outcome recorder's writes). A statement sent through a sqlx pool pays a
+/// ping when the connection is taken and another when it is given back, so
+/// on these paths a pool would triple the round trips per statement.
+///
+/// After an error, or a statement abandoned half-way (a timeout), call
+/// [`Held::discard`]: the connection's state is unknown, and the next
+/// [`Held::get`] connects afresh.
+pub struct Held {
+    options: PgConnectOptions,
+    conn: Option<PgConnection>,
+}
+
+impl Held {
+    /// Connects lazily with the pool's own options (same server, user,
+    /// database and application name).
+    pub fn of(pool: &PgPool) -> Self {
+        Held {
+            options: (*pool.connect_options()).clone(),
+            conn: None,
+        }
+    }
+
+    /// The connection, connecting first if there is none.
+    pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if self.conn.is_none() {
+            self.conn = Some(PgConnection::connect_with(&self.options).await?);
+        }
+        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    /// Drops the connection; the next [`Held::get`] reconnects.
+    pub fn discard(&mut self) {
+        self.conn = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

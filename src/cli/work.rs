@@ -24,10 +24,11 @@ pub struct Args {
 /// Worker settings shared by every command that runs handlers.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerFlags {
-    /// Handlers running at once [default: 10].
+    /// Handlers (commands) running at once [default: 400; CPU-heavy commands:
+    /// the number of cores].
     #[arg(long, env = "ALMANAC_CONCURRENCY")]
     pub concurrency: Option<usize>,
-    /// Most jobs per claim statement [default: 10].
+    /// Most jobs per claim statement [default: 200].
     #[arg(long, env = "ALMANAC_BATCH_SIZE")]
     pub batch_size: Option<usize>,
     /// Lease length; renewed every third of it while a handler runs [default: 30s].

@@ -126,15 +126,24 @@ pub async fn enqueue_many(
     let schedules: Vec<Option<&str>> = jobs.iter().map(|j| j.schedule.as_deref()).collect();
     let runs: Vec<Option<&str>> = jobs.iter().map(|j| j.logical_run.as_deref()).collect();
 
+    // One statement, so one round trip: the rows and the NOTIFY for each kind
+    // that got a new row. (The count makes PostgreSQL run `notified`, which
+    // nothing else reads; with no new row there is nothing to notify.)
     let returned: Vec<(i64, Option<String>)> = sqlx::query_as(
         r#"
-        INSERT INTO almanac.jobs (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
-        SELECT kind, payload, coalesce(run_at, now()), coalesce(max_attempts, 5), key, schedule, logical_run
-        FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[])
-             WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, ord)
-        ORDER BY ord
-        ON CONFLICT (idempotency_key) DO NOTHING
-        RETURNING id, idempotency_key
+        WITH ins AS (
+            INSERT INTO almanac.jobs (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
+            SELECT kind, payload, coalesce(run_at, now()), coalesce(max_attempts, 5), key, schedule, logical_run
+            FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[])
+                 WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, ord)
+            ORDER BY ord
+            ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+            RETURNING id, idempotency_key, kind
+        ), notified AS (
+            SELECT pg_notify($8, k.kind) FROM (SELECT DISTINCT kind FROM ins) k
+        )
+        SELECT id, idempotency_key FROM ins
+        WHERE (SELECT count(*) FROM notified) >= 0
         "#,
     )
     .bind(&kinds)
@@ -144,6 +153,7 @@ pub async fn enqueue_many(
     .bind(&keys)
     .bind(&schedules)
     .bind(&runs)
+    .bind(NOTIFY_CHANNEL)
     .fetch_all(&mut *conn)
     .await?;
 
@@ -201,15 +211,5 @@ pub async fn enqueue_many(
         out.push(result);
     }
 
-    if out.iter().any(|e| matches!(e, Enqueued::New(_))) {
-        let mut new_kinds: Vec<&str> = kinds.clone();
-        new_kinds.sort_unstable();
-        new_kinds.dedup();
-        sqlx::query("SELECT pg_notify($1, k) FROM unnest($2::text[]) AS k")
-            .bind(NOTIFY_CHANNEL)
-            .bind(&new_kinds)
-            .execute(&mut *conn)
-            .await?;
-    }
     Ok(out)
 }

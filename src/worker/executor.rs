@@ -241,6 +241,16 @@ impl Executor {
         self.inner.slots.available_permits()
     }
 
+    /// Waits until `n` slots are free at once (`n` at most `concurrency`).
+    pub async fn slots(&self, n: usize) -> OwnedSemaphorePermit {
+        self.inner
+            .slots
+            .clone()
+            .acquire_many_owned(u32::try_from(n).unwrap_or(u32::MAX))
+            .await
+            .expect("the slot semaphore is never closed")
+    }
+
     /// A free slot now, if there is one.
     pub fn try_slot(&self) -> Option<OwnedSemaphorePermit> {
         self.inner.slots.clone().try_acquire_owned().ok()

@@ -14,7 +14,8 @@ use tracing::{info, warn};
 
 use super::executor::{Executor, WorkerReport};
 use super::{Handler, WorkerConfig};
-use crate::queue::{self, Claim, NOTIFY_CHANNEL};
+use crate::db;
+use crate::queue::{self, Claim, QueueError, NOTIFY_CHANNEL};
 use crate::retry::Retry;
 
 pub(super) async fn run(
@@ -42,24 +43,37 @@ pub(super) async fn run(
     // A claim that gets no answer is abandoned: should it have committed,
     // its leases expire and the reaper takes the jobs back.
     let claim_within = config.lease / 3;
+    let mut link = db::Held::of(&pool);
+    // While the last claim came back full (a backlog), the next one waits
+    // until half a batch of slots is free: a claim costs a round trip
+    // whatever its size, and claims of one or two jobs at a time as single
+    // slots free up would make the round trips, not the handlers, the limit.
+    // An idle worker claims as soon as it is woken, into any free slot.
+    let refill = (config.batch_size.min(config.concurrency) / 2).max(1);
+    let mut backlog = false;
     while !shutdown.is_cancelled() {
-        let free = executor.free_slots().min(config.batch_size);
-        if free == 0 {
+        let want = if backlog { refill } else { 1 };
+        if executor.free_slots() < want {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                slot = executor.slot() => drop(slot),
+                slots = executor.slots(want) => drop(slots),
             }
             continue;
         }
+        let free = executor.free_slots().min(config.batch_size);
         let sent = Instant::now();
         let claim = Claim {
             kinds: &kinds,
             limit: free as i64,
             lease: config.lease,
         };
+        let claiming = async {
+            let conn = link.get().await.map_err(QueueError::from)?;
+            queue::claim(conn, &claim).await
+        };
         let claimed = tokio::select! {
             _ = shutdown.cancelled() => break,
-            claimed = tokio::time::timeout(claim_within, queue::claim(&pool, &claim)) => claimed,
+            claimed = tokio::time::timeout(claim_within, claiming) => claimed,
         };
         let jobs = match claimed {
             Ok(Ok(jobs)) => {
@@ -67,6 +81,7 @@ pub(super) async fn run(
                 jobs
             }
             failed => {
+                link.discard();
                 let err = match failed {
                     Ok(Err(err)) => err.to_string(),
                     _ => format!("no answer from the database within {claim_within:?}"),
@@ -78,7 +93,7 @@ pub(super) async fn run(
                 break;
             }
         };
-        let filled = jobs.len() == free;
+        backlog = jobs.len() == free;
         for job in jobs {
             let slot = executor.try_slot().expect("a free slot per claimed job");
             let handler = handlers[&job.kind].clone();
@@ -89,7 +104,7 @@ pub(super) async fn run(
                     .expect("the executor shuts down only after this loop"),
             );
         }
-        if filled {
+        if backlog {
             continue;
         }
         tokio::select! {

@@ -13,7 +13,8 @@ use tracing::{error, warn};
 use uuid::Uuid;
 
 use super::{bounded, Executed, Inner, Unanswered};
-use crate::queue::{self, Failure, Fenced, JobStatus};
+use crate::db;
+use crate::queue::{self, Failure, Fenced, JobStatus, QueueError};
 use crate::retry::Retry;
 
 pub(super) enum Write {
@@ -36,6 +37,7 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
     const MAX_BATCH: usize = 512;
     let mut pending = Vec::with_capacity(MAX_BATCH);
     let mut open = true;
+    let mut link = db::Held::of(&inner.pool);
     let mut retry = Retry::new(
         Duration::from_millis(50),
         (inner.config.lease / 3).max(Duration::from_millis(50)),
@@ -48,7 +50,7 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
         if pending.is_empty() {
             continue;
         }
-        inner.write(&mut pending).await;
+        inner.write(&mut link, &mut pending).await;
         if pending.is_empty() {
             retry.succeeded();
             continue;
@@ -94,7 +96,7 @@ impl Inner {
     }
 
     /// One try at every pending write; what could not be written stays pending.
-    async fn write(&self, pending: &mut Vec<Outcome>) {
+    async fn write(&self, link: &mut db::Held, pending: &mut Vec<Outcome>) {
         let within = self.config.lease / 3;
         let batch = std::mem::take(pending);
         let (completes, rest): (Vec<Outcome>, Vec<Outcome>) = batch
@@ -110,7 +112,7 @@ impl Inner {
 
         if !completes.is_empty() {
             let leases: Vec<(i64, Uuid)> = completes.iter().map(|o| (o.id, o.token)).collect();
-            match bounded(within, queue::complete_many(&self.pool, &leases)).await {
+            match bounded(within, on(link, |c| queue::complete_many(c, &leases))).await {
                 Ok(held) => {
                     let held: HashSet<i64> = held.into_iter().collect();
                     for o in completes {
@@ -123,6 +125,7 @@ impl Inner {
                 }
                 Err(err) => {
                     reachable = false;
+                    link.discard();
                     self.unwritten("complete", &err, completes, pending);
                 }
             }
@@ -137,7 +140,7 @@ impl Inner {
                 Write::Release(reason) => reason.clone(),
                 _ => unreachable!("partitioned on Release"),
             };
-            match bounded(within, queue::release(&self.pool, &leases, &reason)).await {
+            match bounded(within, on(link, |c| queue::release(c, &leases, &reason))).await {
                 Ok(rows) => {
                     let rows: HashMap<i64, JobStatus> = rows.into_iter().collect();
                     for o in releases {
@@ -155,6 +158,7 @@ impl Inner {
                 }
                 Err(err) => {
                     reachable = false;
+                    link.discard();
                     self.unwritten("release", &err, releases, pending);
                 }
             }
@@ -168,7 +172,7 @@ impl Inner {
             let Write::Fail(failure) = &o.write else {
                 unreachable!("partitioned on Fail")
             };
-            match bounded(within, queue::fail(&self.pool, o.id, o.token, failure)).await {
+            match bounded(within, on(link, |c| queue::fail(c, o.id, o.token, failure))).await {
                 Ok(Fenced::Held(status)) => {
                     let executed = if status == JobStatus::Dead {
                         Executed::Dead
@@ -180,12 +184,13 @@ impl Inner {
                 Ok(Fenced::Lost) => unsure.push(o),
                 Err(err) => {
                     reachable = false;
+                    link.discard();
                     self.unwritten("fail", &err, vec![o], pending);
                 }
             }
         }
 
-        self.settle_unsure(unsure).await;
+        self.settle_unsure(link, unsure).await;
     }
 
     fn unwritten(
@@ -209,7 +214,7 @@ impl Inner {
     /// Outcomes the fence refused. If an earlier try failed in transit it may
     /// have been ours that committed: within the lease nobody else can have
     /// taken the job, so its status tells.
-    async fn settle_unsure(&self, unsure: Vec<Outcome>) {
+    async fn settle_unsure(&self, link: &mut db::Held, unsure: Vec<Outcome>) {
         if unsure.is_empty() {
             return;
         }
@@ -221,12 +226,18 @@ impl Inner {
         let statuses = if ambiguous.is_empty() {
             HashMap::new()
         } else {
-            bounded(
+            match bounded(
                 self.config.lease / 3,
-                queue::statuses(&self.pool, &ambiguous),
+                on(link, |c| queue::statuses(c, &ambiguous)),
             )
             .await
-            .unwrap_or_default()
+            {
+                Ok(statuses) => statuses,
+                Err(_) => {
+                    link.discard();
+                    HashMap::new()
+                }
+            }
         };
         for o in unsure {
             let status = statuses.get(&o.id).copied().filter(|_| o.ambiguous);
@@ -245,4 +256,14 @@ impl Inner {
             self.settle(o.id, o.token, executed, Some(detail));
         }
     }
+}
+
+/// Runs one statement on the recorder's own connection (see [`db::Held`]).
+async fn on<'c, T, F, Fut>(link: &'c mut db::Held, statement: F) -> Result<T, QueueError>
+where
+    F: FnOnce(&'c mut sqlx::PgConnection) -> Fut,
+    Fut: std::future::Future<Output = Result<T, QueueError>> + 'c,
+{
+    let conn = link.get().await?;
+    statement(conn).await
 }
