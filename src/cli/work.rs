@@ -24,11 +24,11 @@ pub struct Args {
 /// Worker settings shared by every command that runs handlers.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerFlags {
-    /// Handlers (commands) running at once [default: 400; CPU-heavy commands:
-    /// the number of cores].
+    /// Commands running at once [default: 4 per core, at least 4; CPU-heavy
+    /// commands: the number of cores].
     #[arg(long, env = "ALMANAC_CONCURRENCY")]
     pub concurrency: Option<usize>,
-    /// Most jobs per claim statement [default: 200].
+    /// Most jobs per claim statement [default: half of --concurrency].
     #[arg(long, env = "ALMANAC_BATCH_SIZE")]
     pub batch_size: Option<usize>,
     /// Lease length; renewed every third of it while a handler runs [default: 30s].
@@ -53,19 +53,20 @@ pub struct WorkerFlags {
 impl WorkerFlags {
     pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<WorkerConfig> {
         let file = &ctx.config.worker;
-        let defaults = WorkerConfig::default();
+        let defaults = WorkerConfig::for_commands();
         let pick = |flag: Option<HumanDuration>, file: Option<HumanDuration>, default| {
             flag.or(file).map_or(default, |d| d.0)
         };
+        let concurrency = self
+            .concurrency
+            .or(file.concurrency)
+            .unwrap_or(defaults.concurrency);
         let config = WorkerConfig {
-            concurrency: self
-                .concurrency
-                .or(file.concurrency)
-                .unwrap_or(defaults.concurrency),
+            concurrency,
             batch_size: self
                 .batch_size
                 .or(file.batch_size)
-                .unwrap_or(defaults.batch_size),
+                .unwrap_or((concurrency / 2).max(1)),
             lease: pick(self.lease, file.lease, defaults.lease),
             poll_interval: pick(
                 self.poll_interval,

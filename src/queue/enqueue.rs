@@ -137,7 +137,7 @@ pub async fn enqueue_many(
             FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[])
                  WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, ord)
             ORDER BY ord
-            ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+            ON CONFLICT (idempotency_key) DO NOTHING
             RETURNING id, idempotency_key, kind
         ), notified AS (
             SELECT pg_notify($8, k.kind) FROM (SELECT DISTINCT kind FROM ins) k

@@ -238,7 +238,7 @@ pub async fn record(
             SELECT r.job_id, p.kind, p.payload, p.fire_at, p.max_attempts, p.key, r.schedule, r.logical_run
             FROM recorded r JOIN planned p USING (schedule, logical_run)
             WHERE r.job_id IS NOT NULL
-            ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+            ON CONFLICT (idempotency_key) DO NOTHING
             RETURNING kind
         ), notified AS (
             SELECT pg_notify($10, k.kind) FROM (SELECT DISTINCT kind FROM emitted) k

@@ -175,6 +175,24 @@ impl Default for WorkerConfig {
     }
 }
 
+impl WorkerConfig {
+    /// The defaults for shell-command handlers (`almanac work`, `almanac
+    /// consume`): every slot there is a process, so `concurrency` is four per
+    /// core (at least 4), not the 400 in-process tasks of [`Default`], which
+    /// would start 400 processes at once on a backlog. The throughput of
+    /// commands is bound by starting processes (`almanac bench`: about 1,300
+    /// `true` per second on 2 cores), which a few per core already reach.
+    pub fn for_commands() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let concurrency = (4 * cores).max(4);
+        WorkerConfig {
+            concurrency,
+            batch_size: (concurrency / 2).max(1),
+            ..WorkerConfig::default()
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("invalid worker config: {0}")]
