@@ -274,8 +274,8 @@ async fn burn(pool: &PgPool, config: WorkerConfig, jobs: u64) -> anyhow::Result<
 }
 
 async fn burn_exec(pool: &PgPool) -> anyhow::Result<f64> {
-    let worker =
-        Worker::new(pool.clone(), WorkerConfig::for_commands()).register(KIND, ExecHandler::new("true"));
+    let worker = Worker::new(pool.clone(), WorkerConfig::for_commands())
+        .register(KIND, ExecHandler::new("true"));
     timed_burn(pool, worker, None).await
 }
 
