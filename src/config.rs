@@ -249,6 +249,24 @@ impl<'de> Deserialize<'de> for HumanDuration {
     }
 }
 
+/// `3d 4h`, `5m 10s`: the two largest units of a span of seconds, for people
+/// (`almanac schedules list`, the dashboard).
+pub fn coarse_age(seconds: i64) -> String {
+    let units = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
+    let mut left = seconds.max(0);
+    let mut parts = Vec::new();
+    for (name, size) in units {
+        if left >= size || (parts.is_empty() && size == 1) {
+            parts.push(format!("{}{name}", left / size));
+            left %= size;
+        }
+        if parts.len() == 2 {
+            break;
+        }
+    }
+    parts.join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -203,7 +203,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                         last.unwrap_or_else(|| "-".into()),
                         match (cursor, lag) {
                             (None, _) => "not synced yet".to_string(),
-                            (_, Some(l)) => format!("{} behind", coarse(l)),
+                            (_, Some(l)) => format!("{} behind", crate::config::coarse_age(l)),
                             (_, None) => "0s".to_string(),
                         }
                     );
@@ -212,21 +212,4 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             Ok(())
         }
     }
-}
-
-/// `3d 4h`, `5m 10s`: the two largest units of a span of seconds.
-fn coarse(seconds: i64) -> String {
-    let units = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
-    let mut left = seconds.max(0);
-    let mut parts = Vec::new();
-    for (name, size) in units {
-        if left >= size || (parts.is_empty() && size == 1) {
-            parts.push(format!("{}{name}", left / size));
-            left %= size;
-        }
-        if parts.len() == 2 {
-            break;
-        }
-    }
-    parts.join(" ")
 }

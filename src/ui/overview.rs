@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::response::Html;
 use maud::html;
 
-use super::view::{age, dash, enc, layout};
+use super::view::{age, dash, enc, layout, sink_rows};
 use super::{Page, Ui};
 use crate::metrics::snapshot::Snapshot;
 use crate::queue::{browse, JobStatus};
@@ -126,15 +126,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 div .scroll { table #outbox {
                     thead { tr { th { "sink" } th .num { "backlog" } th .num { "in flight" } th .num { "oldest" } th .num { "failed" } } }
                     tbody {
-                        @for s in &snap.outbox {
-                            tr data-sink=(s.sink) {
-                                td { (s.sink) }
-                                td .num data-field="backlog" { (s.backlog) }
-                                td .num { (s.in_flight) }
-                                td .num { (age(s.oldest_unpublished_seconds)) }
-                                td .num data-field="failed" { (s.failed) }
-                            }
-                        }
+                        (sink_rows(&snap.outbox))
                     }
                 } }
             }

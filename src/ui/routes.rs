@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::response::Html;
 use maud::html;
 
-use super::view::{age, dash, enc, layout};
+use super::view::{age, dash, enc, layout, sink_rows};
 use super::{outbox, Page, Ui, UiError};
 use crate::relay::outbox as relay_outbox;
 use crate::relay::routes;
@@ -53,15 +53,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
         div .scroll { table #sinks {
             thead { tr { th { "sink" } th .num { "backlog" } th .num { "in flight" } th .num { "oldest unpublished" } th .num { "failed" } } }
             tbody {
-                @for s in &sinks {
-                    tr data-sink=(s.sink) {
-                        td { (s.sink) }
-                        td .num data-field="backlog" { (s.backlog) }
-                        td .num { (s.in_flight) }
-                        td .num { (age(s.oldest_unpublished_seconds)) }
-                        td .num data-field="failed" { (s.failed) }
-                    }
-                }
+                (sink_rows(&sinks))
             }
         } }
         h2 { "Failed rows" }

@@ -59,19 +59,22 @@ pub fn opt_time(t: Option<DateTime<Utc>>) -> Markup {
 
 /// `3d 4h`, `5m 10s`: the two largest units of a span of seconds.
 pub fn age(seconds: f64) -> String {
-    let mut left = seconds.max(0.0).round() as i64;
-    let units = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
-    let mut parts = Vec::new();
-    for (name, size) in units {
-        if left >= size || (parts.is_empty() && size == 1) {
-            parts.push(format!("{}{name}", left / size));
-            left %= size;
-        }
-        if parts.len() == 2 {
-            break;
+    crate::config::coarse_age(seconds.round() as i64)
+}
+
+/// The outbox of each sink: backlog, in flight, oldest unpublished, failed.
+pub fn sink_rows(sinks: &[crate::relay::SinkOutboxStats]) -> Markup {
+    html! {
+        @for s in sinks {
+            tr data-sink=(s.sink) {
+                td { (s.sink) }
+                td .num data-field="backlog" { (s.backlog) }
+                td .num { (s.in_flight) }
+                td .num { (age(s.oldest_unpublished_seconds)) }
+                td .num data-field="failed" { (s.failed) }
+            }
         }
     }
-    parts.join(" ")
 }
 
 pub fn status(s: JobStatus) -> Markup {
