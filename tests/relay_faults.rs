@@ -138,11 +138,12 @@ async fn kafka_going_away_leaves_rows_unpublished_until_it_returns(pool: PgPool)
     .await;
 }
 
-#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) {
-    let sinks = brokers::sinks();
-    let destination = unique("unroutable");
-    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
+/// Routes kind `task` to a fresh RabbitMQ destination, then deletes its
+/// queue (as someone might): the exchange routes every message nowhere.
+/// Returns the relay's publisher and the connection that deleted the queue.
+async fn unroutable_route(pool: &PgPool, name: &str) -> (Publisher, lapin::Connection) {
+    let destination = unique(name);
+    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap();
     publisher.ensure(&destination).await.unwrap();
     routes::set(
         &mut pool.acquire().await.unwrap(),
@@ -153,7 +154,6 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
     )
     .await
     .unwrap();
-    // Someone deletes the queue: the exchange routes the message nowhere.
     let conn = lapin::Connection::connect(&brokers::amqp_url(), Default::default())
         .await
         .unwrap();
@@ -162,6 +162,12 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
         .queue_delete(&destination, Default::default())
         .await
         .unwrap();
+    (publisher, conn)
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) {
+    let (publisher, conn) = unroutable_route(&pool, "unroutable").await;
 
     enqueue(&pool, "lost", 3).await;
     let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
@@ -192,28 +198,7 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
 /// it claimed ahead instead of leaving it in flight for a whole lease.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn rows_claimed_ahead_are_handed_back_when_a_drain_stops(pool: PgPool) {
-    let sinks = brokers::sinks();
-    let destination = unique("ahead");
-    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
-    publisher.ensure(&destination).await.unwrap();
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "task",
-        RouteMode::Broker,
-        Some(SinkKind::Rabbitmq),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
-    // No queue behind the exchange: every publish comes back unroutable.
-    let conn = lapin::Connection::connect(&brokers::amqp_url(), Default::default())
-        .await
-        .unwrap();
-    let channel = conn.create_channel().await.unwrap();
-    channel
-        .queue_delete(&destination, Default::default())
-        .await
-        .unwrap();
+    let (publisher, conn) = unroutable_route(&pool, "ahead").await;
 
     enqueue(&pool, "ahead", 5).await;
     let config = almanac::relay::RelayConfig {
