@@ -14,5 +14,8 @@
 --
 -- Rows claimed before this migration keep their pushed `available_at` and
 -- come due when it passes, as before.
+-- Replacing it locks the table; behind a long transaction that lock would
+-- queue every claim behind it. Give up instead, and name the cause.
+SET LOCAL lock_timeout = '10s';
 ALTER TABLE almanac.outbox ADD COLUMN lease_until timestamptz;
 ALTER TABLE almanac.outbox SET (fillfactor = 50);

@@ -8,6 +8,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use std::time::Duration;
+
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
@@ -177,17 +179,26 @@ async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<
 /// After an error, or a statement abandoned half-way (a timeout), call
 /// [`Held::discard`]: the connection's state is unknown, and the next
 /// [`Held::get`] connects afresh.
+///
+/// The server ends a statement of this connection after `deadline` (and a
+/// wait for a lock likewise), and drops the connection when the network
+/// stays silent that long: the caller gives up on a statement after the
+/// same deadline, so a statement it abandoned (a claim stuck behind a lock,
+/// say) rolls back on the server instead of committing leases nobody holds,
+/// and abandoned connections do not pile up.
 pub struct Held {
     options: PgConnectOptions,
+    deadline: Duration,
     conn: Option<PgConnection>,
 }
 
 impl Held {
     /// Connects lazily with the pool's own options (same server, user,
     /// database and application name).
-    pub fn of(pool: &PgPool) -> Self {
+    pub fn of(pool: &PgPool, deadline: Duration) -> Self {
         Held {
             options: (*pool.connect_options()).clone(),
+            deadline,
             conn: None,
         }
     }
@@ -195,7 +206,24 @@ impl Held {
     /// The connection, connecting first if there is none.
     pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if self.conn.is_none() {
-            self.conn = Some(PgConnection::connect_with(&self.options).await?);
+            let mut conn = PgConnection::connect_with(&self.options).await?;
+            // Set after connecting, not as startup options: poolers such as
+            // PgBouncer refuse those.
+            let ms = self.deadline.as_millis().max(1);
+            let idle = (self.deadline.as_secs() / 3).max(1);
+            sqlx::query(
+                "SELECT set_config('statement_timeout', $1, false), \
+                        set_config('lock_timeout', $1, false), \
+                        set_config('tcp_user_timeout', $1, false), \
+                        set_config('tcp_keepalives_idle', $2, false), \
+                        set_config('tcp_keepalives_interval', $2, false), \
+                        set_config('tcp_keepalives_count', '3', false)",
+            )
+            .bind(ms.to_string())
+            .bind(idle.to_string())
+            .execute(&mut conn)
+            .await?;
+            self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("connected above"))
     }

@@ -437,3 +437,72 @@ async fn a_worker_claims_no_more_jobs_than_it_has_free_slots(pool: PgPool) {
     stop.cancel();
     assert_eq!(running.await.unwrap().unwrap().completed, 20);
 }
+
+/// A claim stuck behind a table lock (a migration, `VACUUM FULL`) is given
+/// up by the worker after a third of the lease, and the server ends it too:
+/// it must not commit leases later that nobody holds, and abandoned
+/// connections must not pile up while the lock lasts.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_claim_stuck_behind_a_lock_is_rolled_back_not_left_to_commit(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let batch: Vec<NewJob> = (0..50)
+        .map(|i| NewJob::new("locked").idempotency_key(format!("locked:{i}")))
+        .collect();
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    drop(conn);
+    let mut locker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE almanac.jobs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+
+    let config = WorkerConfig {
+        lease: Duration::from_millis(1500),
+        ..fast(10)
+    };
+    let worker = Worker::new(pool.clone(), config)
+        .register("locked", |_ctx: JobContext| async move { Ok(()) });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+
+    // The worker gives up on claims and reconnects: wait until four of its
+    // connections have queued behind the lock, one after another.
+    let waiting = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+                   AND wait_event_type = 'Lock' AND query LIKE '%SKIP LOCKED%'";
+    let mut seen = std::collections::HashSet::new();
+    let mut most_at_once = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while seen.len() < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not retry its claim"
+        );
+        let pids: Vec<i32> = sqlx::query_scalar(waiting).fetch_all(&pool).await.unwrap();
+        most_at_once = most_at_once.max(pids.len());
+        seen.extend(pids);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        most_at_once <= 2,
+        "abandoned claims piled up on the server: {most_at_once} waiting at once"
+    );
+    locker.commit().await.unwrap();
+
+    // No abandoned claim committed leases nobody holds: every job runs,
+    // on its first attempt, with no reaper needed.
+    eventually("all fifty done", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == 50
+    })
+    .await;
+    assert_eq!(
+        count(&pool, "SELECT max(attempts)::bigint FROM almanac.jobs").await,
+        1
+    );
+    stop.cancel();
+    running.await.unwrap().unwrap();
+}

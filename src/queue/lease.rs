@@ -279,7 +279,7 @@ pub async fn release<'e>(
             lease_token = NULL,
             lease_until = NULL
         FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)
-        WHERE j.id = r.id AND j.lease_token = r.token
+        WHERE j.id = r.id AND j.lease_token = r.token AND j.lease_until IS NOT NULL
         RETURNING j.id, j.status
         "#,
     )

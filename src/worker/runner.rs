@@ -43,12 +43,14 @@ pub(super) async fn run(
     // A claim that gets no answer is abandoned: should it have committed,
     // its leases expire and the reaper takes the jobs back.
     let claim_within = config.lease / 3;
-    let mut link = db::Held::of(&pool);
+    let mut link = db::Held::of(&pool, claim_within);
     // While the last claim came back full (a backlog), the next one waits
     // until half a batch of slots is free: a claim costs a round trip
     // whatever its size, and claims of one or two jobs at a time as single
     // slots free up would make the round trips, not the handlers, the limit.
-    // An idle worker claims as soon as it is woken, into any free slot.
+    // An idle worker claims as soon as it is woken, into any free slot. The
+    // wait for half a batch is short: with slow handlers slots free slowly,
+    // and they must not stay idle while jobs wait.
     let refill = (config.batch_size.min(config.concurrency) / 2).max(1);
     let mut backlog = false;
     while !shutdown.is_cancelled() {
@@ -56,9 +58,14 @@ pub(super) async fn run(
         if executor.free_slots() < want {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                slots = executor.slots(want) => drop(slots),
+                slots = tokio::time::timeout(REFILL_WAIT, executor.slots(want)) => drop(slots),
             }
-            continue;
+            if executor.free_slots() == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    slots = executor.slots(1) => drop(slots),
+                }
+            }
         }
         let free = executor.free_slots().min(config.batch_size);
         let sent = Instant::now();
@@ -67,14 +74,19 @@ pub(super) async fn run(
             limit: free as i64,
             lease: config.lease,
         };
-        let claiming = async {
-            let conn = link.get().await.map_err(QueueError::from)?;
-            queue::claim(conn, &claim).await
-        };
-        let claimed = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            claimed = tokio::time::timeout(claim_within, claiming) => claimed,
-        };
+        let claiming = claim_on(&mut link, &claim);
+        // Not cut short by a stop request: a claim dropped half-way may
+        // still commit, and its jobs would wait out their leases with an
+        // attempt spent. It is bounded by `claim_within`; what it brings in
+        // after a stop request is handed back.
+        let claimed = tokio::time::timeout(claim_within, claiming).await;
+        if shutdown.is_cancelled() {
+            if let Ok(Ok(jobs)) = claimed {
+                let leases = jobs.iter().filter_map(|j| j.lease()).collect();
+                hand_back(pool.clone(), leases, claim_within).await;
+            }
+            break;
+        }
         let jobs = match claimed {
             Ok(Ok(jobs)) => {
                 retry.succeeded();
@@ -167,4 +179,39 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
             }
         }
     }
+}
+
+/// How long a worker with a backlog waits for half a batch of free slots
+/// before it claims into the slots it has.
+const REFILL_WAIT: Duration = Duration::from_millis(5);
+
+/// Hands back jobs claimed after a stop request, unstarted, with their
+/// attempt restored; what cannot be handed back within `within` returns
+/// when its lease expires.
+async fn hand_back(pool: PgPool, leases: Vec<(i64, uuid::Uuid)>, within: Duration) {
+    let count = leases.len();
+    let unclaim_all = async move {
+        for (id, token) in leases {
+            queue::unclaim(&pool, id, token).await?;
+        }
+        Ok::<_, QueueError>(())
+    };
+    match tokio::time::timeout(within, unclaim_all).await {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => {
+            warn!(%err, jobs = count, "handing back jobs claimed at shutdown failed; they return when their leases expire")
+        }
+        Err(_) => warn!(
+            jobs = count,
+            "handing back jobs claimed at shutdown timed out; they return when their leases expire"
+        ),
+    }
+}
+
+async fn claim_on(
+    link: &mut db::Held,
+    claim: &Claim<'_>,
+) -> Result<Vec<crate::queue::Job>, QueueError> {
+    let conn = link.get().await?;
+    queue::claim(conn, claim).await
 }

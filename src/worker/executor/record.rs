@@ -37,7 +37,10 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
     const MAX_BATCH: usize = 512;
     let mut pending = Vec::with_capacity(MAX_BATCH);
     let mut open = true;
-    let mut link = db::Held::of(&inner.pool);
+    let mut link = db::Held::of(
+        &inner.pool,
+        (inner.config.lease / 3).max(Duration::from_millis(50)),
+    );
     let mut retry = Retry::new(
         Duration::from_millis(50),
         (inner.config.lease / 3).max(Duration::from_millis(50)),
