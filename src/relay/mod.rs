@@ -242,10 +242,11 @@ impl Relay {
             let mut sent = None;
             if let Some(batch) = claimed.take().filter(|c| !c.rows.is_empty()) {
                 let full = batch.rows.len() as i64 >= self.config.batch_size;
-                let in_flight = self.publisher.send(&batch.rows).await;
+                // The next claim runs while this batch is handed over.
                 if full {
                     next_claim = Some(tokio::spawn(self.claim()));
                 }
+                let in_flight = self.publisher.send(&batch.rows).await;
                 sent = Some((batch, in_flight));
                 stop = !full;
             }
