@@ -583,6 +583,9 @@ async fn execute(
 /// whose lease the database no longer grants.
 async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
     let every = inner.config.lease / 3;
+    // A connection of its own: handlers that use the pool can never make a
+    // renewal wait for a connection until leases run out.
+    let mut link = crate::db::Held::of(&inner.pool, every);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
     loop {
@@ -603,11 +606,12 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
         let sent = Instant::now();
         let renewed = tokio::select! {
             _ = stop.cancelled() => return,
-            renewed = bounded(every, queue::heartbeat_many(&inner.pool, &leases, inner.config.lease)) => renewed,
+            renewed = bounded(every, renew(&mut link, &leases, inner.config.lease)) => renewed,
         };
         let held: HashSet<i64> = match renewed {
             Ok(held) => held.into_iter().collect(),
             Err(err) => {
+                link.discard();
                 warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
                 continue;
             }
@@ -626,4 +630,14 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             }
         }
     }
+}
+
+/// One batched renewal on the heartbeat's own connection.
+async fn renew(
+    link: &mut crate::db::Held,
+    leases: &[(i64, Uuid)],
+    lease: Duration,
+) -> Result<Vec<i64>, QueueError> {
+    let conn = link.get().await?;
+    queue::heartbeat_many(conn, leases, lease).await
 }
