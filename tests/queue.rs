@@ -396,3 +396,120 @@ async fn an_unstarted_job_handed_back_keeps_its_attempts(pool: PgPool) {
     // The fence: a second hand-back under the old token changes nothing.
     assert!(!queue::unclaim(&pool, id, token).await.unwrap());
 }
+
+async fn outbox_rows(pool: &PgPool, job: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM almanac.outbox WHERE job_id = $1")
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The outbox trigger (with its `WHEN` clause, migration 0009) writes a row
+/// for every transition of a `dual` job to `ready` and for no other: enqueue,
+/// a retry after a failure, the reaper, a release at shutdown, an operator
+/// retry; never a claim, a completion or a death.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_dual_job_gets_an_outbox_row_for_each_return_to_ready_and_no_other(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO almanac.routes (kind, mode, sink, destination) VALUES ('twin', 'dual', 'kafka', 'twins')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let id = match queue::enqueue(&mut conn, &NewJob::new("twin").max_attempts(10))
+        .await
+        .unwrap()
+    {
+        Enqueued::New(id) => id,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(outbox_rows(&pool, id).await, 1, "enqueue");
+
+    let job = claim_one(&pool, "twin", Duration::from_secs(30)).await;
+    assert_eq!(outbox_rows(&pool, id).await, 1, "a claim writes no row");
+    let retry = Failure::Retry {
+        delay: Duration::ZERO,
+        error: "try again".into(),
+    };
+    queue::fail(&pool, id, job.lease_token.unwrap(), &retry)
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 2, "a retry after a failure");
+
+    // The reaper: a lease that expired.
+    let job = claim_one(&pool, "twin", Duration::from_millis(1)).await;
+    eventually("the lease expires", Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT lease_until < clock_timestamp() FROM almanac.jobs WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    queue::reap_expired(&pool, 10).await.unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 3, "the reaper");
+    drop(job);
+
+    let job = claim_one(&pool, "twin", Duration::from_secs(30)).await;
+    queue::release(&pool, &[job.lease().unwrap()], "shutting down")
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 4, "a release at shutdown");
+
+    let job = claim_one(&pool, "twin", Duration::from_secs(30)).await;
+    let bury = Failure::Permanent { error: "no".into() };
+    queue::fail(&pool, id, job.lease_token.unwrap(), &bury)
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 4, "death writes no row");
+    queue::retry(&mut conn, id).await.unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 5, "an operator retry");
+
+    let job = claim_one(&pool, "twin", Duration::from_secs(30)).await;
+    queue::complete(&pool, id, job.lease_token.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&pool, id).await, 5, "completion writes no row");
+}
+
+/// Enqueue wakes listening workers: one notification per kind that got a
+/// new row, none when every row was a duplicate.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn enqueue_notifies_each_kind_with_a_new_row_and_no_other(pool: PgPool) {
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen(queue::NOTIFY_CHANNEL).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let batch = [
+        NewJob::new("ping").idempotency_key("p:1"),
+        NewJob::new("ping").idempotency_key("p:2"),
+        NewJob::new("pong").idempotency_key("q:1"),
+    ];
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    let mut kinds = Vec::new();
+    for _ in 0..2 {
+        let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+            .await
+            .expect("a notification per new kind")
+            .unwrap();
+        kinds.push(n.payload().to_string());
+    }
+    kinds.sort();
+    assert_eq!(kinds, ["ping", "pong"]);
+    // Duplicates only: no new row, no notification. A later new job's
+    // notification is the next one to arrive.
+    queue::enqueue_many(&mut conn, &batch).await.unwrap();
+    queue::enqueue(&mut conn, &NewJob::new("late"))
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("the late job's notification")
+        .unwrap();
+    assert_eq!(n.payload(), "late");
+}
