@@ -135,7 +135,15 @@ pub enum CellState {
     Missing,
     /// Due before the schedule's first sync, and never recorded.
     BeforeFirstSync,
+    /// Due within the last [`DUE_GRACE`] and not recorded yet: the leader
+    /// emits it at its next tick. (`almanac gaps` at this instant would list
+    /// it; the calendar waits before calling it missing.)
+    Due,
 }
+
+/// How long after its fire time an unrecorded run is shown as due rather
+/// than missing: a leader's tick comes well within it.
+pub const DUE_GRACE: chrono::Duration = chrono::Duration::seconds(60);
 
 impl CellState {
     pub fn class(&self) -> &'static str {
@@ -146,6 +154,7 @@ impl CellState {
             CellState::Skipped { .. } => "skipped",
             CellState::Missing => "missing",
             CellState::BeforeFirstSync => "presync",
+            CellState::Due => "due",
         }
     }
 }
@@ -202,6 +211,7 @@ pub async fn calendar(
 ) -> Result<Calendar, BackfillError> {
     let now = backfill::db_now(conn).await?;
     let to = now + chrono::Duration::microseconds(1);
+    let settled = to - DUE_GRACE;
     let runs = window(schedule, now);
     let from = runs.first().map_or(now, |r| r.fire_at);
     let recorded = ledger_rows(conn, &schedule.name, from, to).await?;
@@ -240,6 +250,7 @@ pub async fn calendar(
                         .unwrap_or(&row.outcome)
                         .to_string(),
                 },
+                None if run.fire_at > settled => CellState::Due,
                 None if missing.contains(&run.logical_run) => CellState::Missing,
                 None => CellState::BeforeFirstSync,
             };

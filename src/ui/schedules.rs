@@ -158,7 +158,7 @@ pub(super) async fn detail(
             code { "almanac gaps" } " reports; click one for its backfill command."
         }
         p .legend #legend {
-            @for class in ["done", "emitted", "failed", "skipped", "missing", "presync"] {
+            @for class in ["done", "emitted", "failed", "skipped", "missing", "due", "presync"] {
                 span .cell .(class) {} " " (label(class)) " "
                 strong data-state=(class) { (counts.get(class).copied().unwrap_or(0)) } " "
             }
@@ -216,6 +216,7 @@ fn label(class: &str) -> &'static str {
         "failed" => "failed",
         "skipped" => "skipped",
         "missing" => "missing",
+        "due" => "due now",
         _ => "before first sync",
     }
 }
@@ -229,6 +230,7 @@ fn describe(state: &CellState) -> String {
         CellState::Skipped { reason } => format!("skipped ({reason})"),
         CellState::Missing => "missing".into(),
         CellState::BeforeFirstSync => "before the schedule's first sync".into(),
+        CellState::Due => "due now; the scheduler emits it at its next tick".into(),
     }
 }
 
