@@ -165,6 +165,16 @@ impl Config {
 }
 
 /// `Ok` for a duration above zero; else a message naming the setting.
+/// A duration setting: the flag (or its environment variable), else the
+/// config file's key, else the default.
+pub fn pick(
+    flag: Option<HumanDuration>,
+    file: Option<HumanDuration>,
+    default: Duration,
+) -> Duration {
+    flag.or(file).map_or(default, |d| d.0)
+}
+
 pub fn positive(setting: &str, value: Duration) -> Result<(), String> {
     if value.is_zero() {
         Err(format!(

@@ -4,7 +4,7 @@
 use anyhow::Context as _;
 
 use super::Ctx;
-use crate::config::HumanDuration;
+use crate::config::{pick, HumanDuration};
 use crate::http::{BasicAuth, HttpAddr, HttpServer};
 use crate::maintenance::JanitorConfig;
 
@@ -93,9 +93,6 @@ impl JanitorFlags {
     pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<JanitorConfig> {
         let file = &ctx.config.janitor;
         let d = JanitorConfig::default();
-        let pick = |flag: Option<HumanDuration>, file: Option<HumanDuration>, default| {
-            flag.or(file).map_or(default, |h| h.0)
-        };
         let config = JanitorConfig {
             interval: pick(self.janitor_interval, file.interval, d.interval),
             done_retention: pick(self.done_retention, file.done_retention, d.done_retention),

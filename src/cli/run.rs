@@ -12,11 +12,11 @@ use tokio::sync::mpsc;
 use super::ops::{HttpFlags, JanitorFlags, UiFlags};
 use super::sinks::{RelayFlags, SinkFlags};
 use super::{Ctx, SchedulesDir};
-use crate::config::HumanDuration;
+use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
 use crate::maintenance::{Janitor, Reaper, ReaperConfig};
 use crate::metrics::{Collector, CollectorConfig};
-use crate::relay::{Publisher, Relay, RelayConfig};
+use crate::relay::{Publisher, Relay};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::supervisor::Supervisor;
 
@@ -54,9 +54,6 @@ pub struct Args {
     /// How often the metrics collector reads the database [default: 5s].
     #[arg(long, env = "ALMANAC_METRICS_INTERVAL")]
     metrics_interval: Option<HumanDuration>,
-    /// Broker-route jobs ready this long with no recent message get a fresh one [default: 5m].
-    #[arg(long, env = "ALMANAC_REDRIVE_AFTER")]
-    redrive_after: Option<HumanDuration>,
     #[command(flatten)]
     http: HttpFlags,
     #[command(flatten)]
@@ -111,10 +108,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let reaper = {
         let d = ReaperConfig::default();
         ReaperConfig {
-            interval: args
-                .reaper_interval
-                .or(ctx.config.reaper.interval)
-                .map_or(d.interval, |h| h.0),
+            interval: pick(args.reaper_interval, ctx.config.reaper.interval, d.interval),
             batch_size: args
                 .reaper_batch_size
                 .or(ctx.config.reaper.batch_size)
@@ -124,40 +118,28 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     reaper.validate().map_err(anyhow::Error::msg)?;
     let janitor = args.janitor.resolve(ctx)?;
     let collector = CollectorConfig {
-        interval: args
-            .metrics_interval
-            .or(ctx.config.metrics.interval)
-            .map_or(CollectorConfig::default().interval, |h| h.0),
+        interval: pick(
+            args.metrics_interval,
+            ctx.config.metrics.interval,
+            CollectorConfig::default().interval,
+        ),
     };
     collector.validate().map_err(anyhow::Error::msg)?;
-    let relay = {
-        let d = RelayConfig::default();
-        RelayConfig {
-            redrive_after: args
-                .redrive_after
-                .or(ctx.config.relay.redrive_after)
-                .map_or(d.redrive_after, |h| h.0),
-            ..d
-        }
-    };
-    crate::config::positive(
-        "--redrive-after ([relay] redrive_after)",
-        relay.redrive_after,
-    )
-    .map_err(anyhow::Error::msg)?;
-    let relay = args.relay.apply(ctx, relay, &sinks)?;
+    let relay = args.relay.resolve(ctx, &sinks)?;
     let scheduler = if wants("scheduler") {
         let d = SchedulerConfig::default();
         let config = SchedulerConfig {
             schedules_dir: args.schedules.resolve(ctx),
-            standby_retry: args
-                .standby_retry
-                .or(ctx.config.scheduler.standby_retry)
-                .map_or(d.standby_retry, |h| h.0),
-            leader_timeout: args
-                .leader_timeout
-                .or(ctx.config.scheduler.leader_timeout)
-                .map_or(d.leader_timeout, |h| h.0),
+            standby_retry: pick(
+                args.standby_retry,
+                ctx.config.scheduler.standby_retry,
+                d.standby_retry,
+            ),
+            leader_timeout: pick(
+                args.leader_timeout,
+                ctx.config.scheduler.leader_timeout,
+                d.leader_timeout,
+            ),
             clock_offset: match args.clock_offset.as_deref() {
                 Some(text) => crate::scheduler::parse_offset(text)
                     .map_err(|e| anyhow::anyhow!("--clock-offset: {e}"))?,

@@ -5,7 +5,7 @@ use anyhow::bail;
 
 use super::Ctx;
 use crate::broker::SinkConfig;
-use crate::config::HumanDuration;
+use crate::config::{pick, HumanDuration};
 use crate::relay::RelayConfig;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -54,10 +54,7 @@ impl SinkFlags {
                 .kafka_replication
                 .or(file.kafka_replication)
                 .unwrap_or(defaults.kafka_replication),
-            ack_timeout: self
-                .ack_timeout
-                .or(file.ack_timeout)
-                .map_or(defaults.ack_timeout, |d| d.0),
+            ack_timeout: pick(self.ack_timeout, file.ack_timeout, defaults.ack_timeout),
             max_message_bytes: self
                 .max_message_bytes
                 .or(file.max_message_bytes)
@@ -80,33 +77,40 @@ pub struct RelayFlags {
     /// How often the relay repairs jobs and outbox rows that disagree with their route [default: 60s].
     #[arg(long, env = "ALMANAC_RECONCILE_INTERVAL")]
     pub reconcile_interval: Option<HumanDuration>,
+    /// Broker-route jobs ready this long with no recent message get a fresh one [default: 5m].
+    #[arg(long, env = "ALMANAC_REDRIVE_AFTER")]
+    pub redrive_after: Option<HumanDuration>,
 }
 
 impl RelayFlags {
-    /// `config` with these flags (then `[relay]` in the config file)
-    /// applied, validated against `sinks`.
-    pub fn apply(
-        &self,
-        ctx: &Ctx,
-        config: RelayConfig,
-        sinks: &SinkConfig,
-    ) -> anyhow::Result<RelayConfig> {
+    /// The relay's settings: these flags, then `[relay]` in the config
+    /// file, then the defaults; validated against `sinks`.
+    pub fn resolve(&self, ctx: &Ctx, sinks: &SinkConfig) -> anyhow::Result<RelayConfig> {
         let file = &ctx.config.relay;
+        let d = RelayConfig::default();
         let config = RelayConfig {
             max_publish_attempts: self
                 .max_publish_attempts
                 .or(file.max_publish_attempts)
-                .unwrap_or(config.max_publish_attempts),
-            in_flight_lease: self
-                .in_flight_lease
-                .or(file.in_flight_lease)
-                .map_or(config.in_flight_lease, |d| d.0),
-            reconcile_interval: self
-                .reconcile_interval
-                .or(file.reconcile_interval)
-                .map_or(config.reconcile_interval, |d| d.0),
-            ..config
+                .unwrap_or(d.max_publish_attempts),
+            in_flight_lease: pick(
+                self.in_flight_lease,
+                file.in_flight_lease,
+                d.in_flight_lease,
+            ),
+            reconcile_interval: pick(
+                self.reconcile_interval,
+                file.reconcile_interval,
+                d.reconcile_interval,
+            ),
+            redrive_after: pick(self.redrive_after, file.redrive_after, d.redrive_after),
+            ..d
         };
+        crate::config::positive(
+            "--redrive-after ([relay] redrive_after)",
+            config.redrive_after,
+        )
+        .map_err(anyhow::Error::msg)?;
         if let Err(message) = config.validate() {
             bail!("{message}");
         }

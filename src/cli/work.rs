@@ -3,7 +3,7 @@
 use anyhow::bail;
 
 use super::Ctx;
-use crate::config::HumanDuration;
+use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
 use crate::supervisor::Supervisor;
 use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
@@ -54,9 +54,6 @@ impl WorkerFlags {
     pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<WorkerConfig> {
         let file = &ctx.config.worker;
         let defaults = WorkerConfig::for_commands();
-        let pick = |flag: Option<HumanDuration>, file: Option<HumanDuration>, default| {
-            flag.or(file).map_or(default, |d| d.0)
-        };
         let concurrency = self
             .concurrency
             .or(file.concurrency)
