@@ -41,18 +41,7 @@ async fn broker_outage_loses_nothing<C, R>(
     C: FnMut(),
     R: AsyncFnMut(),
 {
-    let destination = unique("outage");
-    let mut publisher = Publisher::new(sink, &sinks).unwrap();
-    publisher.ensure(&destination).await.unwrap();
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
+    let (publisher, _) = routed(&pool, sink, &sinks, "outage").await;
     let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
 
     enqueue(&pool, "before", 10).await;
@@ -138,22 +127,34 @@ async fn kafka_going_away_leaves_rows_unpublished_until_it_returns(pool: PgPool)
     .await;
 }
 
-/// Routes kind `task` to a fresh RabbitMQ destination, then deletes its
-/// queue (as someone might): the exchange routes every message nowhere.
-/// Returns the relay's publisher and the connection that deleted the queue.
-async fn unroutable_route(pool: &PgPool, name: &str) -> (Publisher, lapin::Connection) {
+/// A publisher for a fresh destination of `sink` (prepared), with kind
+/// `task` routed there in broker mode.
+async fn routed(
+    pool: &PgPool,
+    sink: SinkKind,
+    sinks: &SinkConfig,
+    name: &str,
+) -> (Publisher, String) {
     let destination = unique(name);
-    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap();
+    let mut publisher = Publisher::new(sink, sinks).unwrap();
     publisher.ensure(&destination).await.unwrap();
     routes::set(
         &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
-        Some(SinkKind::Rabbitmq),
+        Some(sink),
         Some(&destination),
     )
     .await
     .unwrap();
+    (publisher, destination)
+}
+
+/// Routes kind `task` to a fresh RabbitMQ destination, then deletes its
+/// queue (as someone might): the exchange routes every message nowhere.
+/// Returns the relay's publisher and the connection that deleted the queue.
+async fn unroutable_route(pool: &PgPool, name: &str) -> (Publisher, lapin::Connection) {
+    let (publisher, destination) = routed(pool, SinkKind::Rabbitmq, &brokers::sinks(), name).await;
     let conn = lapin::Connection::connect(&brokers::amqp_url(), Default::default())
         .await
         .unwrap();
@@ -280,18 +281,7 @@ async fn an_oversized_message_fails_alone(pool: PgPool, sink: SinkKind) {
         max_message_bytes: 10_000,
         ..brokers::sinks()
     };
-    let destination = unique("oversized");
-    let mut publisher = Publisher::new(sink, &sinks).unwrap();
-    publisher.ensure(&destination).await.unwrap();
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
+    let (publisher, destination) = routed(&pool, sink, &sinks, "oversized").await;
     let mut conn = pool.acquire().await.unwrap();
     let mut batch: Vec<NewJob> = (0..6)
         .map(|i| {
