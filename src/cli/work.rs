@@ -63,7 +63,7 @@ impl WorkerFlags {
             batch_size: self
                 .batch_size
                 .or(file.batch_size)
-                .unwrap_or((concurrency / 2).max(1)),
+                .unwrap_or(WorkerConfig::half_batch(concurrency)),
             lease: pick(self.lease, file.lease, defaults.lease),
             poll_interval: pick(
                 self.poll_interval,

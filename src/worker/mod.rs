@@ -187,9 +187,15 @@ impl WorkerConfig {
         let concurrency = (4 * cores).max(4);
         WorkerConfig {
             concurrency,
-            batch_size: (concurrency / 2).max(1),
+            batch_size: Self::half_batch(concurrency),
             ..WorkerConfig::default()
         }
+    }
+
+    /// Batches of half the slots: one batch is claimed while the previous
+    /// one is completed.
+    pub fn half_batch(concurrency: usize) -> usize {
+        (concurrency / 2).max(1)
     }
 }
 
