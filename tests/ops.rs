@@ -539,7 +539,7 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
         cmd.arg("--schedules").arg(dir.join("none"));
         output(cmd)
     };
-    let cases: [(&[&str], Option<&str>, &str); 8] = [
+    let cases: [(&[&str], Option<&str>, &str); 10] = [
         (
             &["--http-addr", "nowhere"],
             None,
@@ -593,6 +593,27 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
             ],
             None,
             "--ack-timeout ([relay] ack_timeout) must be at least 100ms",
+        ),
+        // The relay's own keys of the config file reach the same checks.
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--kafka-brokers",
+                "127.0.0.1:9092",
+            ],
+            Some("[relay]\nin_flight_lease = \"5s\"\n"),
+            "--in-flight-lease (5s) must be longer than --ack-timeout (10s)",
+        ),
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--kafka-brokers",
+                "127.0.0.1:9092",
+            ],
+            Some("[relay]\nredrive_after = \"0s\"\n"),
+            "--redrive-after ([relay] redrive_after) must be longer than 0s",
         ),
     ];
     for (args, config, expected) in cases {
