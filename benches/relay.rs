@@ -14,7 +14,11 @@ use lapin::BasicProperties;
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
-const MESSAGES: usize = 20_000;
+const MESSAGES: usize = 100_000;
+
+/// The allocator the `almanac` binary uses (see `src/main.rs`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const BATCH: usize = 500;
 
 fn rate(n: usize, d: Duration) -> f64 {
@@ -110,9 +114,10 @@ async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Dur
             previous.await??;
         }
         let pool = pool.clone();
-        let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
         marking = Some(tokio::spawn(async move {
-            outbox::mark_published(&pool, claimed.token, &ids).await
+            let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+            let marked = outbox::mark(&pool, claimed.token, &outcomes).await?;
+            Ok(marked.published)
         }));
     }
     if let Some(previous) = marking {
@@ -121,8 +126,8 @@ async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Dur
     Ok(start.elapsed())
 }
 
-async fn enqueue(pool: &sqlx::PgPool, kind: &str, tag: &str) -> anyhow::Result<()> {
-    let jobs: Vec<NewJob> = (0..MESSAGES)
+async fn enqueue(pool: &sqlx::PgPool, kind: &str, tag: &str, n: usize) -> anyhow::Result<()> {
+    let jobs: Vec<NewJob> = (0..n)
         .map(|i| {
             NewJob::new(kind.to_string())
                 .payload(serde_json::json!({"order": 12345, "note": "benchmark payload"}))
@@ -173,12 +178,16 @@ async fn main() -> anyhow::Result<()> {
             Some(&destination),
         )
         .await?;
-        enqueue(&pool, &kind, sink.as_str()).await?;
         let config = RelayConfig {
             batch_size: BATCH as i64,
             ..RelayConfig::default()
         };
         let mut relay = Relay::new(pool.clone(), publisher, config);
+        // Warm up as the raw client does: connect, learn the destination,
+        // prepare the statements.
+        enqueue(&pool, &kind, &format!("{sink}-warm-up"), 1).await?;
+        while relay.drain().await?.published == 0 {}
+        enqueue(&pool, &kind, sink.as_str(), MESSAGES).await?;
         let start = Instant::now();
         let mut published = 0;
         while published < MESSAGES as u64 {
@@ -195,7 +204,7 @@ async fn main() -> anyhow::Result<()> {
             SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
             SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
         };
-        enqueue(&pool, &kind, &format!("{sink}-alone")).await?;
+        enqueue(&pool, &kind, &format!("{sink}-alone"), MESSAGES).await?;
         let alone = outbox_alone(&pool, sink).await?;
         println!(
             "{sink:<9} relay {:>7.0} msg/s ({MESSAGES} in {:.2}s)   raw client {:>7.0} msg/s   relay/raw {:.2}   outbox statements alone {:>7.0} rows/s",

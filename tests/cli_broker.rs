@@ -209,7 +209,7 @@ async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NOT NULL"
+            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL"
         )
         .await,
         3

@@ -454,6 +454,17 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
         .unwrap();
     }
 
+    // Records of published batches: one from two days ago (three rows),
+    // one from an hour ago.
+    sqlx::query(
+        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at)
+         VALUES (gen_random_uuid(), 'rabbitmq', '{1,2,3}', '{1,2,3}', now(), now() - interval '2 days'),
+                (gen_random_uuid(), 'rabbitmq', '{4}', '{4}', now(), now() - interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
     let janitor = Janitor::new(
         pool.clone(),
         JanitorConfig {
@@ -463,8 +474,9 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
         },
     );
     let report = janitor.run_once().await.unwrap();
-    assert_eq!((report.done, report.dead, report.outbox), (5, 1, 2));
-    // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); outbox: 2 + 0 = 2.
+    assert_eq!((report.done, report.dead, report.outbox), (5, 1, 5));
+    // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); outbox: 3 rows
+    // of a published batch and 2 published rows, then 0 = 2.
     assert_eq!(report.batches, 6);
 
     let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM almanac.jobs ORDER BY id")
@@ -485,6 +497,11 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
         "unpublished rows are never deleted"
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.outbox").await, 2);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox_batches").await,
+        1,
+        "the batch published an hour ago stays"
+    );
     let (runs, job): (i64, Option<i64>) =
         sqlx::query_as("SELECT count(*), max(job_id) FROM almanac.schedule_runs")
             .fetch_one(&pool)
@@ -715,7 +732,7 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
         relay.run_once().await.unwrap();
         let published = count(
             &pool,
-            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NOT NULL",
+            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
         )
         .await;
         if published == 3 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
-use almanac::relay::{redrive, Publisher, Relay, SinkConfig, SinkKind};
+use almanac::relay::{outbox, redrive, Publisher, Relay, SinkConfig, SinkKind};
 use common::brokers::{self, unique, Tansu};
 use common::count;
 use common::proxy::Proxy;
@@ -77,7 +77,7 @@ async fn broker_outage_loses_nothing<C, R>(
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NOT NULL"
+            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL"
         )
         .await,
         20
@@ -214,7 +214,7 @@ async fn rows_claimed_ahead_are_handed_back_when_a_drain_stops(pool: PgPool) {
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM almanac.outbox WHERE lease_token IS NOT NULL OR lease_until IS NOT NULL"
+            "SELECT count(*) FROM almanac.outbox_batches WHERE published_at IS NULL"
         )
         .await,
         0,
@@ -246,12 +246,26 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
     .await
     .unwrap();
     enqueue(&pool, "stranded", 2).await;
-    // The messages went out, then were purged: the jobs sit ready, due, with no message.
-    sqlx::query("UPDATE almanac.outbox SET published_at = now() - interval '10 minutes'")
+    sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
+    // A relay published both messages (as the relay marks them).
+    let claimed = outbox::claim(&pool, sink, 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows.len(), 2);
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    let marked = outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+    assert_eq!(marked.published, 2);
+    assert_eq!(unpublished(&pool).await, 0);
+    assert_eq!(
+        redrive(&pool, sink, Duration::from_secs(60)).await.unwrap(),
+        0,
+        "published a moment ago: the messages may still wait for a consumer"
+    );
+    // Then they were purged: the jobs sit ready, due, with no message.
+    sqlx::query("UPDATE almanac.outbox_batches SET published_at = now() - interval '10 minutes'")
         .execute(&pool)
         .await
         .unwrap();

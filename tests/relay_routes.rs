@@ -123,21 +123,22 @@ async fn moving_a_kind_strands_nothing(pool: PgPool, from: SinkKind, to: SinkKin
         count(
             &pool,
             &format!(
-                "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND sink = '{to}' AND destination = '{new}' AND lease_token IS NULL AND available_at <= now()"
+                "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND sink = '{to}' AND destination = '{new}' AND available_at <= now()"
             )
         )
         .await,
         30,
         "re-addressed rows are due now, in-flight leases voided"
     );
-    // Marks by the dead relay's claim change nothing any more.
-    let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
     assert_eq!(
-        outbox::mark_published(&pool, claimed.token, &ids)
-            .await
-            .unwrap(),
-        0
+        count(&pool, "SELECT count(*) FROM almanac.outbox_batches").await,
+        0,
+        "the dead relay's batch is dropped"
     );
+    // Marks by the dead relay's claim change nothing any more.
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    let marked = outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+    assert_eq!(marked.published, 0);
     // Only the new sink's relay runs.
     drain_and_run(&pool, to, &new, 30).await;
     assert_eq!(

@@ -62,8 +62,13 @@ pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, 
 
 /// Gives a fresh outbox row to `broker` jobs of kinds routed to `sink` that
 /// stayed ready and due longer than `after` with no row pending on their
-/// current route and none published there within `after`. Rows addressed
-/// elsewhere (a route since changed) do not count. At most 1,000 per call.
+/// current route and none published within `after`. Pending rows addressed
+/// elsewhere (a route since changed) do not count. A publication counts
+/// when it went to the job's current sink: the record of a published batch
+/// (`almanac.outbox_batches`, found through its GIN index on jobs) names
+/// jobs, not each row's destination, so after a change of destination alone
+/// a job published to the old one within `after` waits out `after` from that
+/// publication. At most 1,000 per call.
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
@@ -80,6 +85,10 @@ pub async fn redrive<'e>(
                   WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
                     AND ((o.published_at IS NULL AND o.failed_at IS NULL)
                          OR o.published_at > now() - $2 * interval '1 millisecond'))
+              AND NOT EXISTS (
+                  SELECT 1 FROM almanac.outbox_batches b
+                  WHERE b.job_ids @> ARRAY[j.id] AND b.sink = r.sink
+                    AND b.published_at > now() - $2 * interval '1 millisecond')
             LIMIT 1000
         )
         SELECT count(almanac.write_outbox(j)) FROM stranded

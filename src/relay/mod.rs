@@ -6,15 +6,18 @@
 //!   job to `ready` (enqueue, retry, reaper, release, `route set`), with
 //!   `available_at = run_at` (migration `0003_outbox.sql`).
 //! - **Short transactions.** A relay claims a batch of due rows of its sink in
-//!   one statement (`FOR UPDATE SKIP LOCKED`, so several relays share the
-//!   work): each row gets an in-flight lease (`lease_until`, a column no index
-//!   covers, so the claim is a HOT update) and the claim's token, and the
-//!   statement commits. The batch is published
-//!   and its acknowledgements awaited outside any transaction; then a second
-//!   short transaction marks each row by its outcome, naming the token. No row
-//!   lock or transaction is held while a broker thinks. Claims and marks commit
-//!   asynchronously ([`outbox::begin_async_commit`] says why that is safe). While one batch is in
-//!   flight the next is claimed, and the previous one is marked.
+//!   one statement: a row in `almanac.outbox_batches` names them, with a
+//!   token and an in-flight lease; other claims skip rows a batch in flight
+//!   names, and claims of one sink are serialised by an advisory lock, so
+//!   several relays share the work. The outbox rows are not written by the
+//!   claim. The batch is published and its acknowledgements awaited outside
+//!   any transaction; then one more statement (a short transaction when some
+//!   rows failed) takes the batch back by its token, deletes the published
+//!   rows and keeps the batch as the record of their publication. No row lock
+//!   or transaction is held while a broker thinks. Claims and marks commit
+//!   asynchronously ([`outbox::begin_async_commit`] says why that is safe).
+//!   While one batch is in flight the next is claimed, and the previous one
+//!   is marked.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
 //!   are marked published. A `Retriable` failure (broker down, timeout, broken
 //!   link: "maybe sent") keeps the row, with `last_error`, for a later try with
@@ -27,7 +30,9 @@
 //! - **Crash between publish and mark.** The rows stay claimed until their
 //!   in-flight lease ends, then come due and are published again: the message
 //!   arrives twice, and the consumer's claim through the job fence makes the
-//!   second copy a no-op. A relay whose lease ran out marks nothing.
+//!   second copy a no-op. A relay whose batch was dropped (its lease ran out
+//!   and a claim took the rows again, or `route set` re-addressed one) marks
+//!   nothing.
 //! - **Re-drive.** A `broker` job that stays ready and due longer than
 //!   `redrive_after` with no row pending on its current route and none
 //!   published there recently (its message was lost, purged or skipped) gets
@@ -51,7 +56,6 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use uuid::Uuid;
 
 pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
 use crate::queue::{routing, Backoff};
@@ -303,8 +307,7 @@ impl Relay {
                     .await
                     .map_err(|e| e.to_string())?
                     .map_err(|e| e.to_string())?;
-                let ids: Vec<i64> = batch.rows.iter().map(|r| r.id).collect();
-                outbox::release(&pool, batch.token, &ids)
+                outbox::release(&pool, batch.token)
                     .await
                     .map_err(|e| e.to_string())
             };
@@ -440,63 +443,35 @@ async fn join<T>(handle: JoinHandle<Result<T, sqlx::Error>>) -> Result<T, RelayE
     }
 }
 
-/// Marks a published batch by outcome in one short transaction (one
-/// statement when every row was acknowledged) and records each outcome.
+/// Marks a published batch by outcome ([`outbox::mark`]) and records each
+/// outcome.
 async fn mark(
     pool: PgPool,
     sink: SinkKind,
     claimed: Claimed,
     outcomes: Vec<Outcome>,
 ) -> Result<RelayReport, sqlx::Error> {
-    let token: Uuid = claimed.token;
-    let mut published = Vec::with_capacity(outcomes.len());
-    let (mut retry_ids, mut retry_errors, mut retry_delays) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut failed_ids, mut failed_errors) = (Vec::new(), Vec::new());
+    let mut rows = outbox::Outcomes::default();
     for (row, outcome) in claimed.rows.iter().zip(outcomes) {
         match outcome {
-            Outcome::Published => published.push(row.id),
-            Outcome::Retry { error, delay } => {
-                retry_ids.push(row.id);
-                retry_errors.push(error);
-                retry_delays.push(delay);
-            }
-            Outcome::Failed { error } => {
-                failed_ids.push(row.id);
-                failed_errors.push(error);
-            }
+            Outcome::Published => rows.published.push((row.id, row.job_id)),
+            Outcome::Retry { error, delay } => rows.retry.push((row.id, error, delay)),
+            Outcome::Failed { error } => rows.failed.push((row.id, error)),
         }
     }
-    if retry_ids.is_empty() && failed_ids.is_empty() {
-        let mut tx = outbox::begin_async_commit(&pool).await?;
-        let marked = outbox::mark_published(&mut *tx, token, &published).await?;
-        tx.commit().await?;
-        record_published(sink, marked);
-        return Ok(RelayReport {
-            published: marked,
-            ..Default::default()
-        });
+    let marked = outbox::mark(&pool, claimed.token, &rows).await?;
+    record_published(sink, marked.published);
+    if marked.retried > 0 {
+        crate::metrics::record_publish_failed(sink.as_str(), marked.retried);
+        warn!(%sink, rows = marked.retried, error = %rows.retry[0].1, "publishing failed; the rows stay unpublished and will be retried");
     }
-    let mut tx = pool.begin().await?;
-    let marked = outbox::mark_published(&mut *tx, token, &published).await?;
-    let retried =
-        outbox::mark_retry(&mut *tx, token, &retry_ids, &retry_errors, &retry_delays).await?;
-    let failed = outbox::mark_failed(&mut tx, token, &failed_ids, &failed_errors).await?;
-    let (jobs, reasons): (Vec<i64>, Vec<String>) =
-        failed.iter().map(|f| (f.job_id, f.error.clone())).unzip();
-    let buried = routing::bury_unpublishable(&mut tx, &jobs, &reasons).await?;
-    tx.commit().await?;
-    record_published(sink, marked);
-    if retried > 0 {
-        crate::metrics::record_publish_failed(sink.as_str(), retried);
-        warn!(%sink, rows = retried, error = %retry_errors[0], "publishing failed; the rows stay unpublished and will be retried");
-    }
-    for row in &failed {
-        record_failed(sink, row, buried.contains(&row.job_id));
+    for row in &marked.failed {
+        record_failed(sink, row, marked.buried.contains(&row.job_id));
     }
     Ok(RelayReport {
-        published: marked,
-        retried,
-        failed: failed.len() as u64,
+        published: marked.published,
+        retried: marked.retried,
+        failed: marked.failed.len() as u64,
     })
 }
 

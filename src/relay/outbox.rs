@@ -1,4 +1,5 @@
-//! Every statement on `almanac.outbox`: the relay's claim and marks, the
+//! Every statement on `almanac.outbox` and `almanac.outbox_batches`: the
+//! relay's claim and marks, the
 //! re-addressing that keeps pending rows on their kind's current route, and
 //! the per-sink figures for `almanac stats` and the metrics. (Outbox rows are
 //! written by the trigger in `0003_outbox.sql` through `almanac.write_outbox`.)
@@ -7,6 +8,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::{PgConnection, PgExecutor, PgPool, Postgres, Transaction};
+
+use crate::queue::routing;
 use uuid::Uuid;
 
 use crate::broker::SinkKind;
@@ -16,14 +19,15 @@ fn millis(d: Duration) -> i64 {
 }
 
 /// A transaction with asynchronous commit (`SET LOCAL synchronous_commit =
-/// off`): its commit does not wait for the WAL to reach the disk. The relay
-/// claims, marks published and hands back rows this way, and nothing else.
-/// That is safe there and only there: a commit that a PostgreSQL crash loses
-/// (at most the last few hundred milliseconds) undoes a claim or a mark, and
-/// the row is published once more, which the relay already allows for (a
-/// second copy is harmless: consumers claim through the job fence). Nothing
-/// is lost and no job runs twice. Marks that bury jobs commit synchronously.
-/// (`SET LOCAL`, not a connection option, so it works through PgBouncer.)
+/// off`): its commit does not wait for the WAL to reach the disk. The relay's
+/// claims, marks and hand-backs commit this way (the claim and the common
+/// mark set it inside their one statement), and nothing else. That is safe
+/// there and only there: a commit that a PostgreSQL crash loses (at most the
+/// last few hundred milliseconds) undoes a claim or a mark, and the rows are
+/// published once more, which the relay already allows for (a second copy
+/// is harmless: consumers claim through the job fence). Nothing is lost and
+/// no job runs twice. Marks that bury jobs commit synchronously. (Set per
+/// transaction, not as a connection option, so it works through PgBouncer.)
 pub async fn begin_async_commit(
     pool: &PgPool,
 ) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
@@ -67,12 +71,29 @@ pub struct Claimed {
     pub rows: Vec<OutboxRow>,
 }
 
+/// The first key of the transaction-level advisory lock claims of one sink
+/// take (the second is the sink's number); "almanac outbox claim", so it
+/// does not collide with an application's locks by accident.
+const CLAIM_LOCK: i32 = 0x616c_6f63;
+
+/// The second key of a sink's claim lock ([`readdress`] takes both).
+fn claim_lock(sink: SinkKind) -> i32 {
+    match sink {
+        SinkKind::Kafka => 0,
+        SinkKind::Rabbitmq => 1,
+    }
+}
+
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
-/// transaction): `FOR UPDATE SKIP LOCKED`, then an in-flight lease of
-/// `lease` in `lease_until` (the row comes due again when it ends), a fresh
-/// token, and `attempts + 1`. Only columns no index covers change, so the
-/// update is HOT (migration `0013_outbox_hot_claim.sql`): rows in flight keep
-/// their place in `outbox_due_idx` and the scan steps over them.
+/// transaction, `almanac.claim_outbox` in migration `0014_outbox_batches.sql`):
+/// a row in `almanac.outbox_batches` with a fresh token, the rows' ids and an
+/// in-flight lease of `lease` (the rows come due again when it ends). The
+/// outbox rows themselves are not written (the migration says why). Rows
+/// named by another batch in flight are skipped (a hashed `NOT IN`); claims
+/// of one sink take an advisory lock for their transaction, so two relays
+/// never pick the same rows, and each first drops the batches whose lease
+/// ended, which fences out their relays' marks. `attempts` of each row
+/// counts this try.
 pub async fn claim(
     pool: &PgPool,
     sink: SinkKind,
@@ -80,33 +101,16 @@ pub async fn claim(
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
-    let mut tx = begin_async_commit(pool).await?;
-    // `id = ANY(ARRAY(...))` walks the primary key for the picked rows; a
-    // join with a CTE would hash the whole table.
-    let raw: Vec<RawRow> = sqlx::query_as(
-        r#"
-        UPDATE almanac.outbox AS o
-        SET lease_until = now() + $3 * interval '1 millisecond',
-            lease_token = $4,
-            attempts = o.attempts + 1
-        WHERE o.id = ANY(ARRAY(
-            SELECT id FROM almanac.outbox
-            WHERE sink = $1 AND published_at IS NULL AND failed_at IS NULL
-              AND available_at <= now() AND (lease_until IS NULL OR lease_until <= now())
-            ORDER BY available_at, id
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED))
-        RETURNING o.id, o.job_id, o.destination, o.msg_key, o.payload::text AS payload,
-            o.headers::text AS headers, o.attempts
-        "#,
-    )
-    .bind(sink.as_str())
-    .bind(limit)
-    .bind(millis(lease))
-    .bind(token)
-    .fetch_all(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    let raw: Vec<RawRow> =
+        sqlx::query_as("SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6)")
+            .bind(sink.as_str())
+            .bind(CLAIM_LOCK)
+            .bind(claim_lock(sink))
+            .bind(limit)
+            .bind(token)
+            .bind(millis(lease))
+            .fetch_all(pool)
+            .await?;
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
     Ok(Claimed { token, rows })
@@ -149,76 +153,168 @@ impl From<RawRow> for OutboxRow {
     }
 }
 
-/// Marks rows of a claim published; returns how many still held the claim.
-pub async fn mark_published<'e>(
-    db: impl PgExecutor<'e>,
-    token: Uuid,
-    ids: &[i64],
-) -> Result<u64, sqlx::Error> {
-    if ids.is_empty() {
-        return Ok(0);
-    }
-    Ok(sqlx::query(
-        "UPDATE almanac.outbox SET published_at = now(), last_error = NULL, lease_token = NULL, \
-         lease_until = NULL \
-         WHERE id = ANY($1) AND lease_token = $2",
-    )
-    .bind(ids)
-    .bind(token)
-    .execute(db)
-    .await?
-    .rows_affected())
+/// A claimed batch's outcome, row by row.
+#[derive(Debug, Default)]
+pub struct Outcomes {
+    /// Rows the broker acknowledged, with their jobs.
+    pub published: Vec<(i64, i64)>,
+    /// Rows to try again: id, error, delay.
+    pub retry: Vec<(i64, String, Duration)>,
+    /// Rows rejected for good: id, reason.
+    pub failed: Vec<(i64, String)>,
 }
 
-/// Hands back rows of a claim that were never sent (claimed ahead, then not
-/// needed): they are due again at once, and the try is not counted.
-pub async fn release(pool: &PgPool, token: Uuid, ids: &[i64]) -> Result<u64, sqlx::Error> {
-    if ids.is_empty() {
-        return Ok(0);
+impl Outcomes {
+    /// Every row of a claim acknowledged.
+    pub fn all_published(rows: &[OutboxRow]) -> Self {
+        Outcomes {
+            published: rows.iter().map(|r| (r.id, r.job_id)).collect(),
+            ..Outcomes::default()
+        }
     }
-    let mut tx = begin_async_commit(pool).await?;
-    let released = sqlx::query(
-        "UPDATE almanac.outbox SET lease_token = NULL, lease_until = NULL, attempts = attempts - 1 \
-         WHERE id = ANY($1) AND lease_token = $2",
-    )
-    .bind(ids)
-    .bind(token)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
+}
+
+/// What [`mark`] changed.
+#[derive(Debug, Default)]
+pub struct Marked {
+    /// Published rows deleted from the outbox.
+    pub published: u64,
+    pub retried: u64,
+    pub failed: Vec<FailedRow>,
+    /// Jobs of failed rows that went `dead` with the reason.
+    pub buried: Vec<i64>,
+}
+
+/// Records a claimed batch's outcome if the batch still holds its rows;
+/// otherwise (its lease ran out and another relay claimed them again, or
+/// `route set` re-addressed them) marks nothing. Published rows are deleted
+/// and the batch becomes the record of their publication (re-drive reads
+/// it); a batch with nothing published is deleted. Rows to retry get their
+/// error and a later `available_at`, failed rows `failed_at` and their
+/// reason, both counting the try in `attempts`; the jobs of failed rows are
+/// buried ([`routing::bury_unpublishable`]). One statement, committed
+/// asynchronously, when every row was published (the common case); one
+/// transaction otherwise, committed synchronously when it buries jobs.
+pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Marked, sqlx::Error> {
+    if outcomes.retry.is_empty() && outcomes.failed.is_empty() {
+        let mut conn = pool.acquire().await?;
+        let published = mark_batch(&mut conn, token, &outcomes.published, true).await?;
+        return Ok(Marked {
+            published: published.unwrap_or(0),
+            ..Marked::default()
+        });
+    }
+    let mut tx = pool.begin().await?;
+    let asynchronous = outcomes.failed.is_empty();
+    let Some(published) = mark_batch(&mut tx, token, &outcomes.published, asynchronous).await?
+    else {
+        return Ok(Marked::default());
+    };
+    let mut marked = Marked {
+        published,
+        ..Marked::default()
+    };
+    if !outcomes.retry.is_empty() {
+        let ids: Vec<i64> = outcomes.retry.iter().map(|r| r.0).collect();
+        let errors: Vec<&str> = outcomes.retry.iter().map(|r| r.1.as_str()).collect();
+        let delays: Vec<i64> = outcomes.retry.iter().map(|r| millis(r.2)).collect();
+        marked.retried = sqlx::query(
+            r#"
+            UPDATE almanac.outbox AS o
+            SET last_error = f.error, attempts = o.attempts + 1,
+                available_at = now() + f.delay_ms * interval '1 millisecond'
+            FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
+            WHERE o.id = f.id AND o.published_at IS NULL AND o.failed_at IS NULL
+            "#,
+        )
+        .bind(&ids)
+        .bind(&errors)
+        .bind(&delays)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    }
+    if !outcomes.failed.is_empty() {
+        let (ids, errors): (Vec<i64>, Vec<&str>) =
+            outcomes.failed.iter().map(|f| (f.0, f.1.as_str())).unzip();
+        marked.failed = sqlx::query_as(
+            r#"
+            UPDATE almanac.outbox AS o
+            SET failed_at = now(), last_error = f.error, attempts = o.attempts + 1
+            FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
+            WHERE o.id = f.id AND o.published_at IS NULL AND o.failed_at IS NULL
+            RETURNING o.id, o.job_id, o.destination, f.error
+            "#,
+        )
+        .bind(&ids)
+        .bind(&errors)
+        .fetch_all(&mut *tx)
+        .await?;
+        let (jobs, reasons): (Vec<i64>, Vec<String>) = marked
+            .failed
+            .iter()
+            .map(|f| (f.job_id, f.error.clone()))
+            .unzip();
+        marked.buried = routing::bury_unpublishable(&mut tx, &jobs, &reasons).await?;
+    }
     tx.commit().await?;
-    Ok(released)
+    Ok(marked)
 }
 
-/// Gives rows of a claim their error and a later `available_at`; returns how
-/// many still held the claim.
-pub async fn mark_retry<'e>(
-    db: impl PgExecutor<'e>,
+/// The batch part of [`mark`], in one statement: takes the batch (its row
+/// lock orders this against claims and `route set`) and deletes the
+/// published rows; `None` when the batch is gone. `asynchronous` sets
+/// `synchronous_commit = off` for the transaction it runs in.
+async fn mark_batch(
+    conn: &mut PgConnection,
     token: Uuid,
-    ids: &[i64],
-    errors: &[String],
-    delays: &[Duration],
-) -> Result<u64, sqlx::Error> {
-    if ids.is_empty() {
-        return Ok(0);
-    }
-    let delays: Vec<i64> = delays.iter().copied().map(millis).collect();
-    Ok(sqlx::query(
+    published: &[(i64, i64)],
+    asynchronous: bool,
+) -> Result<Option<u64>, sqlx::Error> {
+    let (ids, jobs): (Vec<i64>, Vec<i64>) = published.iter().copied().unzip();
+    let deleted: Option<i64> = sqlx::query_scalar(
         r#"
-        UPDATE almanac.outbox AS o
-        SET last_error = f.error, lease_token = NULL, lease_until = NULL,
-            available_at = now() + f.delay_ms * interval '1 millisecond'
-        FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
-        WHERE o.id = f.id AND o.lease_token = $4
+        WITH commit_mode AS (
+            SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
+        ), published AS (
+            UPDATE almanac.outbox_batches
+            SET published_at = now(), ids = $2, job_ids = $3
+            WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) > 0
+            RETURNING token
+        ), dropped AS (
+            DELETE FROM almanac.outbox_batches
+            WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) = 0
+            RETURNING token
+        ), deleted AS (
+            DELETE FROM almanac.outbox AS o USING published
+            WHERE o.id = ANY($2) AND o.published_at IS NULL
+            RETURNING 1
+        )
+        SELECT (SELECT count(*) FROM deleted) FROM commit_mode
+        WHERE EXISTS (SELECT 1 FROM published UNION ALL SELECT 1 FROM dropped)
         "#,
     )
-    .bind(ids)
-    .bind(errors)
-    .bind(&delays)
     .bind(token)
-    .execute(db)
-    .await?
-    .rows_affected())
+    .bind(&ids)
+    .bind(&jobs)
+    .bind(asynchronous)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(deleted.map(|n| n as u64))
+}
+
+/// Hands back a batch whose rows were never sent (claimed ahead, then not
+/// needed): they are due again at once, and the try is not counted.
+pub async fn release(pool: &PgPool, token: Uuid) -> Result<u64, sqlx::Error> {
+    let mut tx = begin_async_commit(pool).await?;
+    let released =
+        sqlx::query("DELETE FROM almanac.outbox_batches WHERE token = $1 AND published_at IS NULL")
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+    tx.commit().await?;
+    Ok(released)
 }
 
 /// A row marked failed, with the job it was for.
@@ -230,36 +326,10 @@ pub struct FailedRow {
     pub error: String,
 }
 
-/// Marks rows of a claim failed for good with their reasons; returns those
-/// that still held the claim.
-pub async fn mark_failed(
-    conn: &mut PgConnection,
-    token: Uuid,
-    ids: &[i64],
-    errors: &[String],
-) -> Result<Vec<FailedRow>, sqlx::Error> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    sqlx::query_as(
-        r#"
-        UPDATE almanac.outbox AS o
-        SET failed_at = now(), last_error = f.error, lease_token = NULL, lease_until = NULL
-        FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
-        WHERE o.id = f.id AND o.lease_token = $3
-        RETURNING o.id, o.job_id, o.destination, f.error
-        "#,
-    )
-    .bind(ids)
-    .bind(errors)
-    .bind(token)
-    .fetch_all(conn)
-    .await
-}
-
 /// Points the pending rows of `kind`'s jobs at the kind's current sink and
-/// destination when they name others; in-flight leases are voided (a relay
-/// still publishing them marks nothing) and the rows come due at their
+/// destination when they name others; batches in flight that name them are
+/// dropped (a relay still publishing them marks nothing, and their other
+/// rows come due again) and the rows come due at their
 /// job's `run_at` with a fresh count of attempts. Rows of jobs now on the
 /// `db` route are deleted: workers run those jobs. `kind = None` does every
 /// kind (the relay's reconcile). Returns (re-addressed, deleted).
@@ -267,11 +337,36 @@ pub async fn readdress(
     conn: &mut PgConnection,
     kind: Option<&str>,
 ) -> Result<(u64, u64), sqlx::Error> {
+    // Claims of both sinks wait until this transaction ends, so none picks
+    // a row about to move; in-flight batches naming such a row are dropped,
+    // so their relays mark nothing. (Batch before rows, as in `mark`.)
+    sqlx::query("SELECT pg_advisory_xact_lock($1, 0), pg_advisory_xact_lock($1, 1)")
+        .bind(CLAIM_LOCK)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        r#"
+        DELETE FROM almanac.outbox_batches AS b
+        WHERE b.published_at IS NULL AND EXISTS (
+            SELECT 1 FROM unnest(b.ids) AS x(id)
+            JOIN almanac.outbox AS o ON o.id = x.id
+            JOIN almanac.jobs AS j ON j.id = o.job_id
+            LEFT JOIN almanac.routes AS r ON r.kind = j.kind
+            WHERE ($1::text IS NULL OR j.kind = $1)
+              AND o.published_at IS NULL AND o.failed_at IS NULL
+              AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
+                   OR (j.route <> 'db' AND r.mode <> 'db'
+                       AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))))
+        "#,
+    )
+    .bind(kind)
+    .execute(&mut *conn)
+    .await?;
     let moved = sqlx::query(
         r#"
         UPDATE almanac.outbox AS o
         SET sink = r.sink, destination = r.destination, available_at = j.run_at,
-            lease_token = NULL, lease_until = NULL, attempts = 0, last_error = NULL
+            attempts = 0, last_error = NULL
         FROM almanac.jobs AS j, almanac.routes AS r
         WHERE o.job_id = j.id AND r.kind = j.kind AND ($1::text IS NULL OR j.kind = $1)
           AND o.published_at IS NULL AND o.failed_at IS NULL
@@ -347,8 +442,9 @@ pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, 
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL) AS backlog,
             (SELECT count(*) FROM almanac.outbox o
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL
-                AND o.lease_token IS NOT NULL
-                AND (o.lease_until > now() OR o.available_at > now())) AS in_flight,
+                AND o.id IN (SELECT unnest(b.ids) FROM almanac.outbox_batches b
+                             WHERE b.sink = s.sink AND b.published_at IS NULL
+                               AND b.lease_until > now())) AS in_flight,
             coalesce((SELECT extract(epoch FROM now() - min(o.created_at))::float8
               FROM almanac.outbox o
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL), 0)
@@ -364,14 +460,33 @@ pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, 
     .await
 }
 
-/// Deletes at most `limit` outbox rows published more than `older_than` ago,
-/// oldest first; returns how many went. Unpublished rows are never touched.
+/// Deletes records of publications older than `older_than`: at most
+/// `limit` published batches and `limit` rows published before migration
+/// 0014, oldest first; returns how many rows they covered. Unpublished rows
+/// are never touched.
 pub async fn delete_published<'e>(
-    db: impl sqlx::PgExecutor<'e>,
+    db: impl sqlx::PgExecutor<'e> + Copy,
     older_than: std::time::Duration,
     limit: i64,
 ) -> Result<u64, sqlx::Error> {
-    let deleted = sqlx::query(
+    let batches: Option<i64> = sqlx::query_scalar(
+        r#"
+        WITH gone AS (
+            DELETE FROM almanac.outbox_batches WHERE token = ANY(ARRAY(
+                SELECT token FROM almanac.outbox_batches
+                 WHERE published_at < now() - make_interval(secs => $1)
+                 ORDER BY published_at
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED))
+            RETURNING cardinality(ids) AS n)
+        SELECT sum(n)::bigint FROM gone
+        "#,
+    )
+    .bind(older_than.as_secs_f64())
+    .bind(limit)
+    .fetch_one(db)
+    .await?;
+    let legacy = sqlx::query(
         r#"
         DELETE FROM almanac.outbox WHERE id = ANY(ARRAY(
             SELECT id FROM almanac.outbox
@@ -385,5 +500,5 @@ pub async fn delete_published<'e>(
     .bind(limit)
     .execute(db)
     .await?;
-    Ok(deleted.rows_affected())
+    Ok(batches.unwrap_or(0) as u64 + legacy.rows_affected())
 }

@@ -9,8 +9,8 @@
 //! exclusively (enqueue takes it shared, in the insert trigger), updates the
 //! route, moves the kind's ready and running jobs to it (ready jobs leaving
 //! `db` get their outbox rows from the trigger), re-addresses pending outbox
-//! rows to the new sink and destination when those changed (voiding any
-//! in-flight lease), and drops pending rows when the kind returns to `db`.
+//! rows to the new sink and destination when those changed (dropping any
+//! batch in flight that names them), and drops pending rows when the kind returns to `db`.
 //! No job is left addressed to a sink or destination the kind no longer uses,
 //! so a retired sink's relay can go away without stranding anything.
 //!
