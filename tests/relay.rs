@@ -332,7 +332,7 @@ async fn relays_of_one_sink_publish_each_row_once(pool: PgPool, sink: SinkKind) 
     let jobs: Vec<NewJob> = (0..300)
         .map(|i| NewJob::new("task").idempotency_key(format!("shared:{i}")))
         .collect();
-    queue::enqueue_many(&mut *pool.acquire().await.unwrap(), &jobs)
+    queue::enqueue_many(&mut pool.acquire().await.unwrap(), &jobs)
         .await
         .unwrap();
     let drains = (0..3).map(|_| {
