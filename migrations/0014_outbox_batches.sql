@@ -45,36 +45,53 @@ ALTER TABLE almanac.outbox DROP COLUMN lease_token, DROP COLUMN lease_until;
 ALTER TABLE almanac.outbox RESET (fillfactor);
 
 -- The claim, in one round trip (`almanac::relay::outbox::claim` documents
--- it). A VOLATILE function takes a fresh snapshot for each statement, so the
--- claim sees every batch committed before it got the sink's lock. Commits
--- asynchronously: a claim lost in a crash only means its rows are published
--- again (see `begin_async_commit`).
+-- it). A VOLATILE function takes a fresh snapshot for each statement under
+-- READ COMMITTED, so the claim sees every batch committed before it got the
+-- sink's lock; under REPEATABLE READ the snapshot would predate the lock, so
+-- the function refuses (SQLSTATE ALM01) and the caller runs it in a READ
+-- COMMITTED transaction. Times are read after the lock, so a claim that
+-- waited gets its whole lease. It waits at most 10 s for a lock. A batch
+-- whose lease ended but whose mark is under way (row locked) is not waited
+-- for: its rows are claimed again, a second copy the job fence absorbs.
+-- Commits asynchronously: a claim lost in a crash only means its rows are
+-- published again (see `begin_async_commit`); call it in its own
+-- transaction.
 CREATE FUNCTION almanac.claim_outbox(
     p_sink text, p_lock_class int, p_lock_key int, p_limit bigint, p_token uuid, p_lease_ms bigint)
 RETURNS TABLE (id bigint, job_id bigint, destination text, msg_key text, payload text,
                headers text, attempts int)
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now timestamptz;
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'almanac.claim_outbox needs READ COMMITTED, not %',
+            current_setting('transaction_isolation') USING ERRCODE = 'ALM01';
+    END IF;
     PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM set_config('lock_timeout', '10s', true);
     PERFORM pg_advisory_xact_lock(p_lock_class, p_lock_key);
+    v_now := clock_timestamp();
+    DELETE FROM almanac.outbox_batches AS b
+    WHERE b.token IN (SELECT e.token FROM almanac.outbox_batches AS e
+                      WHERE e.sink = p_sink AND e.published_at IS NULL AND e.lease_until <= v_now
+                      FOR UPDATE SKIP LOCKED);
     RETURN QUERY
-    WITH expired AS (
-        DELETE FROM almanac.outbox_batches AS b
-        WHERE b.sink = p_sink AND b.published_at IS NULL AND b.lease_until <= now()
-    ), picked AS (
+    WITH picked AS (
         SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload::text AS payload,
             o.headers::text AS headers, o.attempts + 1 AS attempts
         FROM almanac.outbox AS o
         WHERE o.sink = p_sink AND o.published_at IS NULL AND o.failed_at IS NULL
-          AND o.available_at <= now()
+          AND o.available_at <= v_now
           AND o.id NOT IN (SELECT unnest(b.ids) FROM almanac.outbox_batches AS b
                            WHERE b.sink = p_sink AND b.published_at IS NULL
-                             AND b.lease_until > now())
+                             AND b.lease_until > v_now)
         ORDER BY o.available_at, o.id
         LIMIT p_limit
     ), batch AS (
-        INSERT INTO almanac.outbox_batches (token, sink, ids, lease_until)
-        SELECT p_token, p_sink, array_agg(picked.id), now() + p_lease_ms * interval '1 millisecond'
+        INSERT INTO almanac.outbox_batches (token, sink, ids, claimed_at, lease_until)
+        SELECT p_token, p_sink, array_agg(picked.id), v_now,
+            v_now + p_lease_ms * interval '1 millisecond'
         FROM picked HAVING count(*) > 0
     )
     SELECT * FROM picked;

@@ -393,7 +393,6 @@ async fn rabbitmq_relays_of_one_sink_publish_each_row_once(pool: PgPool) {
 
 /// Claims of one sink running at the same moment never share a row: eight at
 /// a time until the backlog is claimed, each row in exactly one batch.
-#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn concurrent_claims_never_share_a_row(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
     routes::set(
@@ -429,4 +428,34 @@ async fn concurrent_claims_never_share_a_row(pool: PgPool) {
         }
     }
     assert_eq!(seen.len(), 2000);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn concurrent_claims_never_share_a_row_under_read_committed(pool: PgPool) {
+    concurrent_claims_never_share_a_row(pool).await;
+}
+
+/// A database whose sessions default to REPEATABLE READ: the claim's
+/// snapshot would predate its lock, so it runs in a READ COMMITTED
+/// transaction of its own and still never shares a row.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn concurrent_claims_never_share_a_row_under_a_repeatable_read_default(pool: PgPool) {
+    sqlx::query(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L', \
+         current_database(), 'repeatable read'); END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let repeatable = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let isolation: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&repeatable)
+        .await
+        .unwrap();
+    assert_eq!(isolation, "repeatable read");
+    concurrent_claims_never_share_a_row(repeatable).await;
 }

@@ -362,6 +362,16 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
         "SELECT max(id) FROM almanac.jobs WHERE kind = 'mail' AND status = 'ready'",
     )
     .await;
+    // An earlier message of the job was published: its row is gone, and
+    // the batch that published it is the record.
+    sqlx::query(
+        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at) \
+         VALUES (gen_random_uuid(), 'kafka', '{987654}', ARRAY[$1::bigint], now(), now())",
+    )
+    .bind(mail)
+    .execute(&pool)
+    .await
+    .unwrap();
     c.goto(&format!("{base}/jobs/{mail}")).await.unwrap();
     assert_eq!(text(&c, "#kind").await, "mail");
     let outbox = c
@@ -375,7 +385,13 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
             &format!("SELECT count(*) FROM almanac.outbox WHERE job_id = {mail}")
         )
         .await
+            + 1
     );
+    let published = c
+        .find(Locator::Css(".outbox-rows tbody tr[data-id='987654']"))
+        .await
+        .unwrap();
+    assert!(published.text().await.unwrap().contains("published"));
     assert!(c.source().await.unwrap().contains("user3@example.com"));
     shot(&c, "job").await;
 

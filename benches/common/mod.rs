@@ -29,7 +29,7 @@ impl Scratch {
     pub async fn drop(self) -> anyhow::Result<()> {
         self.pool.close().await;
         let mut admin = sqlx::PgConnection::connect(&self.admin_url).await?;
-        sqlx::query(&format!("DROP DATABASE \"{}\"", self.name))
+        sqlx::query(&format!("DROP DATABASE \"{}\" WITH (FORCE)", self.name))
             .execute(&mut admin)
             .await?;
         Ok(())

@@ -68,7 +68,9 @@ pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, 
 /// (`almanac.outbox_batches`, found through its GIN index on jobs) names
 /// jobs, not each row's destination, so after a change of destination alone
 /// a job published to the old one within `after` waits out `after` from that
-/// publication. At most 1,000 per call.
+/// publication. Looks at up to 1,000 candidates per call (so while more
+/// than that were published within `after` and wait for consumers, a lost
+/// message behind them waits until they are consumed or `after` passes).
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
@@ -76,8 +78,8 @@ pub async fn redrive<'e>(
 ) -> Result<u64, sqlx::Error> {
     let n: Option<i64> = sqlx::query_scalar(
         r#"
-        WITH stranded AS (
-            SELECT j FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
+        WITH candidates AS MATERIALIZED (
+            SELECT j.id FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
             WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
               AND j.run_at <= now() - $2 * interval '1 millisecond'
               AND NOT EXISTS (
@@ -85,13 +87,20 @@ pub async fn redrive<'e>(
                   WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
                     AND ((o.published_at IS NULL AND o.failed_at IS NULL)
                          OR o.published_at > now() - $2 * interval '1 millisecond'))
-              AND NOT EXISTS (
-                  SELECT 1 FROM almanac.outbox_batches b
-                  WHERE b.job_ids @> ARRAY[j.id] AND b.sink = r.sink
-                    AND b.published_at > now() - $2 * interval '1 millisecond')
             LIMIT 1000
+        ), batches AS MATERIALIZED (
+            -- Batch records naming a candidate, through the GIN index. On
+            -- its own, so no other condition tempts the planner into testing
+            -- `&&` (a nested loop over both arrays) on every recent batch.
+            SELECT b.sink, b.published_at, b.job_ids FROM almanac.outbox_batches b
+            WHERE b.job_ids && ARRAY(SELECT id FROM candidates)
+        ), published AS MATERIALIZED (
+            SELECT x.id FROM batches b, unnest(b.job_ids) AS x(id)
+            WHERE b.sink = $1 AND b.published_at > now() - $2 * interval '1 millisecond'
+              AND x.id IN (SELECT id FROM candidates)
         )
-        SELECT count(almanac.write_outbox(j)) FROM stranded
+        SELECT count(almanac.write_outbox(j)) FROM almanac.jobs j
+        WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)
         "#,
     )
     .bind(sink)

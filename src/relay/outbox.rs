@@ -101,16 +101,28 @@ pub async fn claim(
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
-    let raw: Vec<RawRow> =
-        sqlx::query_as("SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6)")
+    let query = || {
+        sqlx::query_as::<_, RawRow>("SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6)")
             .bind(sink.as_str())
             .bind(CLAIM_LOCK)
             .bind(claim_lock(sink))
             .bind(limit)
             .bind(token)
             .bind(millis(lease))
-            .fetch_all(pool)
-            .await?;
+    };
+    let raw = match query().fetch_all(pool).await {
+        // The session's default isolation is above READ COMMITTED (the
+        // function refuses: its snapshot would predate the lock).
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("ALM01") => {
+            let mut tx = pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?;
+            let raw = query().fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            raw
+        }
+        other => other?,
+    };
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
     Ok(Claimed { token, rows })
@@ -332,7 +344,9 @@ pub struct FailedRow {
 /// rows come due again) and the rows come due at their
 /// job's `run_at` with a fresh count of attempts. Rows of jobs now on the
 /// `db` route are deleted: workers run those jobs. `kind = None` does every
-/// kind (the relay's reconcile). Returns (re-addressed, deleted).
+/// kind (the relay's reconcile). Returns (re-addressed, deleted). Run it in
+/// a READ COMMITTED transaction: its statements must see batches claimed
+/// before it took the claim locks (held until the transaction ends).
 pub async fn readdress(
     conn: &mut PgConnection,
     kind: Option<&str>,

@@ -237,7 +237,11 @@ async fn set_in_tx(
     destination: Option<&str>,
     lock_timeout: Duration,
 ) -> Result<RouteChange, RouteError> {
-    let mut tx = conn.begin().await?;
+    // READ COMMITTED whatever the session's default: `outbox::readdress`
+    // must see batches claimed before it took the claim locks.
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
     sqlx::query("SELECT set_config('lock_timeout', $1, true)")
         .bind(format!("{}ms", lock_timeout.as_millis().max(1)))
         .execute(&mut *tx)
@@ -336,7 +340,11 @@ pub async fn reconcile(conn: &mut PgConnection) -> Result<Reconciled, sqlx::Erro
 }
 
 async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<Reconciled, sqlx::Error> {
-    let mut tx = conn.begin().await?;
+    // READ COMMITTED whatever the session's default: `outbox::readdress`
+    // must see batches claimed before it took the claim locks.
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
     sqlx::query("SELECT set_config('lock_timeout', '1000ms', true)")
         .execute(&mut *tx)
         .await?;

@@ -1,6 +1,7 @@
 //! Read-only views of `almanac.outbox` for the dashboard. The relay owns
 //! every write to the outbox; these only read, each through an index: a
-//! job's rows (`outbox_job_idx`), the unpublished backlog
+//! job's rows (`outbox_job_idx`) and the records of its publications
+//! (`outbox_batches_jobs_idx`), the unpublished backlog
 //! (`outbox_due_idx`, bounded by what is unpublished) and failed rows
 //! (`outbox_failed_idx`).
 
@@ -16,7 +17,8 @@ pub struct Row {
     pub job_id: i64,
     pub kind: Option<String>,
     pub sink: String,
-    pub destination: String,
+    /// `None` for a publication record: a batch names jobs, not destinations.
+    pub destination: Option<String>,
     pub created_at: DateTime<Utc>,
     pub published_at: Option<DateTime<Utc>>,
     pub failed_at: Option<DateTime<Utc>>,
@@ -27,9 +29,17 @@ pub struct Row {
 const COLUMNS: &str = "id, job_id, headers->>'almanac-kind' AS kind, sink, destination, \
     created_at, published_at, failed_at, attempts, last_error";
 
+/// A job's outbox rows: waiting or failed ones, and the records of those
+/// published (the relay deletes a row it published and keeps its batch).
 pub async fn for_job(conn: &mut PgConnection, job_id: i64) -> Result<Vec<Row>, sqlx::Error> {
     sqlx::query_as(&format!(
-        "SELECT {COLUMNS} FROM almanac.outbox WHERE job_id = $1 ORDER BY id"
+        "SELECT {COLUMNS} FROM almanac.outbox WHERE job_id = $1 \
+         UNION ALL \
+         SELECT b.ids[array_position(b.job_ids, $1)], $1, NULL, b.sink, NULL, b.claimed_at, \
+            b.published_at, NULL, 0, NULL \
+         FROM almanac.outbox_batches b \
+         WHERE b.job_ids @> ARRAY[$1::bigint] AND b.published_at IS NOT NULL \
+         ORDER BY 1"
     ))
     .bind(job_id)
     .fetch_all(conn)
@@ -80,13 +90,13 @@ pub fn table(rows: &[Row]) -> Markup {
                             td .num { a href={"/jobs/" (r.job_id)} { (r.job_id) } }
                             td { (r.kind.as_deref().unwrap_or("")) }
                             td { (r.sink) }
-                            td { (r.destination) }
+                            td { @match &r.destination { Some(d) => (d), None => (dash()) } }
                             td {
                                 @if let Some(t) = r.published_at { "published " (time(t)) }
                                 @else if let Some(t) = r.failed_at { span .badge .dead { "failed" } " " (time(t)) }
                                 @else { "waiting since " (opt_time(Some(r.created_at))) " (" (age((Utc::now() - r.created_at).num_seconds() as f64)) ")" }
                             }
-                            td .num { (r.attempts) }
+                            td .num { @if r.published_at.is_some() { (dash()) } @else { (r.attempts) } }
                             td .error { @match &r.last_error { Some(e) => (first_line(e)), None => (dash()) } }
                         }
                     }
