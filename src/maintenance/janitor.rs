@@ -1,5 +1,6 @@
-//! The janitor: deletes `done` jobs, `dead` jobs and published outbox rows
-//! past their retention, so the tables stop growing forever.
+//! The janitor: deletes `done` jobs, `dead` jobs and the records of
+//! published outbox rows (published batches, and rows published before
+//! migration 0014) past their retention, so the tables stop growing forever.
 //!
 //! It deletes in batches of `batch_size` rows (oldest first, SKIP LOCKED, one
 //! short transaction each) with `pause` between batches, so it never holds
