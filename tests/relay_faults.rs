@@ -288,6 +288,65 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
     );
 }
 
+/// Claims every pending row and marks it published, as a relay does.
+async fn publish_all(pool: &PgPool, sink: SinkKind, limit: i64) -> u64 {
+    let claimed = outbox::claim(pool, sink, limit, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    outbox::mark(pool, claimed.token, &outcomes)
+        .await
+        .unwrap()
+        .published
+}
+
+/// A sweep goes on past candidates published a moment ago (consumers far
+/// behind): a lost message behind 1,000 of them is still re-driven.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn redrive_finds_a_lost_message_behind_a_thousand_recent_ones(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&unique("redrive")),
+    )
+    .await
+    .unwrap();
+    enqueue(&pool, "recent", 1000).await;
+    assert_eq!(publish_all(&pool, sink, 1000).await, 1000);
+    enqueue(&pool, "lost", 1).await;
+    assert_eq!(publish_all(&pool, sink, 1000).await, 1);
+    // The lost one was published long ago; the others a moment ago, and
+    // they come first in the sweep's order.
+    sqlx::query(
+        "UPDATE almanac.jobs SET run_at = now() - CASE WHEN idempotency_key = 'lost:0' \
+         THEN interval '9 minutes' ELSE interval '10 minutes' END",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE almanac.outbox_batches SET published_at = now() - interval '9 minutes' \
+         WHERE cardinality(job_ids) = 1",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        redrive(&pool, sink, Duration::from_secs(60)).await.unwrap(),
+        1
+    );
+    let redriven: Vec<String> = sqlx::query_scalar(
+        "SELECT j.idempotency_key FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(redriven, ["lost:0"]);
+}
+
 // ---- per-row outcomes: one bad row does not hold up its batch ----
 
 async fn an_oversized_message_fails_alone(pool: PgPool, sink: SinkKind) {

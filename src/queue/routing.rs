@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor};
 
 /// Moves `kind`'s ready and running jobs to `mode`; the outbox trigger
@@ -60,33 +61,42 @@ pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, 
     .rows_affected())
 }
 
-/// Gives a fresh outbox row to `broker` jobs of kinds routed to `sink` that
-/// stayed ready and due longer than `after` with no row pending on their
-/// current route and none published within `after`. Pending rows addressed
-/// elsewhere (a route since changed) do not count. A publication counts
-/// when it went to the job's current sink: the record of a published batch
+/// Where a re-drive sweep goes on from: the `(run_at, id)` of the last job
+/// looked at; `None` is the start.
+pub type RedriveCursor = Option<(DateTime<Utc>, i64)>;
+
+/// One step of a re-drive sweep: looks at the next 1,000 candidates after
+/// `from` (`broker` jobs of kinds routed to `sink`, ready and due longer than
+/// `after`, with no row pending on their current route, in `(run_at, id)`
+/// order) and gives a fresh outbox row to those none was published for
+/// within `after`. Returns how many got one, and where the next step goes on
+/// (`None` once the candidates ran out). Pending rows addressed elsewhere (a
+/// route since changed) do not count. A publication counts when it went to
+/// the job's current sink: the record of a published batch
 /// (`almanac.outbox_batches`, found through its GIN index on jobs) names
 /// jobs, not each row's destination, so after a change of destination alone
 /// a job published to the old one within `after` waits out `after` from that
-/// publication. Looks at up to 1,000 candidates per call (so while more
-/// than that were published within `after` and wait for consumers, a lost
-/// message behind them waits until they are consumed or `after` passes).
+/// publication. A sweep goes on past candidates published recently (waiting
+/// for slow consumers), so a lost message behind them is still found.
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
     after: Duration,
-) -> Result<u64, sqlx::Error> {
-    let n: Option<i64> = sqlx::query_scalar(
+    from: RedriveCursor,
+) -> Result<(u64, RedriveCursor), sqlx::Error> {
+    let (redriven, run_at, id): (i64, Option<DateTime<Utc>>, Option<i64>) = sqlx::query_as(
         r#"
         WITH candidates AS MATERIALIZED (
-            SELECT j.id FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
+            SELECT j.id, j.run_at FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
             WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
               AND j.run_at <= now() - $2 * interval '1 millisecond'
+              AND ($3::timestamptz IS NULL OR (j.run_at, j.id) > ($3, $4))
               AND NOT EXISTS (
                   SELECT 1 FROM almanac.outbox o
                   WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
                     AND ((o.published_at IS NULL AND o.failed_at IS NULL)
                          OR o.published_at > now() - $2 * interval '1 millisecond'))
+            ORDER BY j.run_at, j.id
             LIMIT 1000
         ), batches AS MATERIALIZED (
             -- Batch records naming a candidate, through the GIN index. On
@@ -98,16 +108,24 @@ pub async fn redrive<'e>(
             SELECT x.id FROM batches b, unnest(b.job_ids) AS x(id)
             WHERE b.sink = $1 AND b.published_at > now() - $2 * interval '1 millisecond'
               AND x.id IN (SELECT id FROM candidates)
+        ), redriven AS MATERIALIZED (
+            SELECT count(almanac.write_outbox(j)) AS n FROM almanac.jobs j
+            WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)
+        ), last AS (
+            SELECT run_at, id FROM candidates ORDER BY run_at DESC, id DESC LIMIT 1
         )
-        SELECT count(almanac.write_outbox(j)) FROM almanac.jobs j
-        WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)
+        SELECT (SELECT n FROM redriven),
+            (SELECT run_at FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
+            (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000)
         "#,
     )
     .bind(sink)
     .bind(i64::try_from(after.as_millis()).unwrap_or(i64::MAX))
+    .bind(from.map(|(t, _)| t))
+    .bind(from.map(|(_, id)| id))
     .fetch_one(db)
     .await?;
-    Ok(n.unwrap_or(0) as u64)
+    Ok((redriven as u64, run_at.zip(id)))
 }
 
 /// Buries the jobs of outbox rows the broker rejected for good: a ready job

@@ -176,6 +176,8 @@ pub struct Relay {
     pool: PgPool,
     publisher: Publisher,
     config: RelayConfig,
+    /// Where the re-drive sweep goes on.
+    redrive_from: routing::RedriveCursor,
 }
 
 impl Relay {
@@ -184,6 +186,7 @@ impl Relay {
             pool,
             publisher,
             config,
+            redrive_from: None,
         }
     }
 
@@ -241,6 +244,7 @@ impl Relay {
         let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
         let mut claimed = Some(self.claim().await?);
         let mut result = Ok(());
+        let mut finishing_failed = false;
         loop {
             let mut stop = true;
             let mut sent = None;
@@ -263,6 +267,7 @@ impl Relay {
                     Ok(true) => stop = true,
                     Err(e) => {
                         result = Err(e);
+                        finishing_failed = true;
                         stop = true;
                     }
                 }
@@ -279,16 +284,23 @@ impl Relay {
                 }
             }
         }
+        // The batch sent last is finished even when the next claim failed
+        // (its messages are out: marking them spares a second copy); not
+        // after finishing failed: then its rows go out again when their
+        // in-flight lease ends.
         if let Some((batch, in_flight)) = outstanding.take() {
-            if result.is_ok() {
+            if !finishing_failed {
                 if let Err(e) = self
                     .finish(batch, in_flight, &mut marking, &mut report)
                     .await
                 {
-                    result = Err(e);
+                    if result.is_ok() {
+                        result = Err(e);
+                    } else {
+                        warn!(sink = %self.publisher.sink(), %e, "finishing a batch failed");
+                    }
                 }
             }
-            // Otherwise its rows go out again when their in-flight lease ends.
         }
         if let Some(previous) = marking.take() {
             match join(previous).await {
@@ -344,8 +356,22 @@ impl Relay {
     }
 
     /// Gives stranded broker-route jobs a fresh outbox row; returns how many.
-    pub async fn redrive(&self) -> Result<u64, RelayError> {
-        redrive(&self.pool, self.publisher.sink(), self.config.redrive_after).await
+    /// Goes on from where the last call stopped and stops after about a
+    /// second's work, so a long list of candidates (consumers far behind) is
+    /// covered over several sweeps without holding up publishing for long.
+    pub async fn redrive(&mut self) -> Result<u64, RelayError> {
+        let (sink, after) = (self.publisher.sink(), self.config.redrive_after);
+        let start = Instant::now();
+        let mut total = 0;
+        loop {
+            let (n, next) =
+                routing::redrive(&self.pool, sink.as_str(), after, self.redrive_from).await?;
+            total += n;
+            self.redrive_from = next;
+            if next.is_none() || start.elapsed() >= Duration::from_secs(1) {
+                return Ok(total);
+            }
+        }
     }
 
     /// Repairs jobs and rows that disagree with their kind's route.
@@ -354,7 +380,7 @@ impl Relay {
         Ok(routes::reconcile(&mut conn).await?)
     }
 
-    async fn maintain(&self, next_redrive: &mut Instant, next_reconcile: &mut Instant) {
+    async fn maintain(&mut self, next_redrive: &mut Instant, next_reconcile: &mut Instant) {
         let sink = self.publisher.sink();
         if Instant::now() >= *next_redrive {
             match self.redrive().await {
@@ -506,9 +532,18 @@ async fn listen(pool: &PgPool) -> Option<PgListener> {
     Some(listener)
 }
 
-/// See [`Relay::redrive`].
+/// One whole re-drive sweep over every candidate (see [`Relay::redrive`],
+/// which spreads a sweep over its rounds).
 pub async fn redrive(pool: &PgPool, sink: SinkKind, after: Duration) -> Result<u64, RelayError> {
-    Ok(routing::redrive(pool, sink.as_str(), after).await?)
+    let (mut total, mut from) = (0, None);
+    loop {
+        let (n, next) = routing::redrive(pool, sink.as_str(), after, from).await?;
+        total += n;
+        match next {
+            Some(_) => from = next,
+            None => return Ok(total),
+        }
+    }
 }
 
 /// Backlog, in-flight, oldest unpublished and failed rows per sink, for

@@ -299,7 +299,7 @@ async fn mark_batch(
             RETURNING token
         ), deleted AS (
             DELETE FROM almanac.outbox AS o USING published
-            WHERE o.id = ANY($2) AND o.published_at IS NULL
+            WHERE o.id = ANY($2) AND o.published_at IS NULL AND o.failed_at IS NULL
             RETURNING 1
         )
         SELECT (SELECT count(*) FROM deleted) FROM commit_mode

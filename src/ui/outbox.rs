@@ -35,10 +35,10 @@ pub async fn for_job(conn: &mut PgConnection, job_id: i64) -> Result<Vec<Row>, s
     sqlx::query_as(&format!(
         "SELECT {COLUMNS} FROM almanac.outbox WHERE job_id = $1 \
          UNION ALL \
-         SELECT b.ids[array_position(b.job_ids, $1)], $1, NULL, b.sink, NULL, b.claimed_at, \
-            b.published_at, NULL, 0, NULL \
-         FROM almanac.outbox_batches b \
+         SELECT x.id, x.job_id, NULL, b.sink, NULL, b.claimed_at, b.published_at, NULL, 0, NULL \
+         FROM almanac.outbox_batches b, unnest(b.ids, b.job_ids) AS x(id, job_id) \
          WHERE b.job_ids @> ARRAY[$1::bigint] AND b.published_at IS NOT NULL \
+           AND x.job_id = $1 \
          ORDER BY 1"
     ))
     .bind(job_id)
