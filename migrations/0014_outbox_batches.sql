@@ -36,8 +36,8 @@ CREATE INDEX outbox_batches_in_flight_idx ON almanac.outbox_batches (sink)
     WHERE published_at IS NULL;
 CREATE INDEX outbox_batches_published_idx ON almanac.outbox_batches (published_at)
     WHERE published_at IS NOT NULL;
--- Every mark adds up to a batch of jobs to the GIN pending list; a small
--- limit keeps each clean-up (done by the mark that fills it) short.
+-- Every mark adds a batch of jobs to the GIN pending list; a small limit
+-- keeps each clean-up (done by the mark that fills it) short.
 CREATE INDEX outbox_batches_jobs_idx ON almanac.outbox_batches USING gin (job_ids)
     WITH (gin_pending_list_limit = 256);
 

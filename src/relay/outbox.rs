@@ -236,7 +236,7 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
             SET last_error = f.error, attempts = o.attempts + 1,
                 available_at = now() + f.delay_ms * interval '1 millisecond'
             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
-            WHERE o.id = f.id AND o.published_at IS NULL AND o.failed_at IS NULL
+            WHERE o.id = f.id AND o.failed_at IS NULL
             "#,
         )
         .bind(&ids)
@@ -254,7 +254,7 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
             UPDATE almanac.outbox AS o
             SET failed_at = now(), last_error = f.error, attempts = o.attempts + 1
             FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
-            WHERE o.id = f.id AND o.published_at IS NULL AND o.failed_at IS NULL
+            WHERE o.id = f.id AND o.failed_at IS NULL
             RETURNING o.id, o.job_id, o.destination, f.error
             "#,
         )
@@ -272,6 +272,11 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
     tx.commit().await?;
     Ok(marked)
 }
+
+// The marks look rows up by id and test `failed_at` alone: rows of a batch
+// are never published before 0014, and naming both columns would match
+// `outbox_due_idx`'s predicate, and tempt the planner into scanning the
+// whole backlog through it for each mark (seen: 30 times slower).
 
 /// The batch part of [`mark`], in one statement: takes the batch (its row
 /// lock orders this against claims and `route set`) and deletes the
@@ -299,7 +304,7 @@ async fn mark_batch(
             RETURNING token
         ), deleted AS (
             DELETE FROM almanac.outbox AS o USING published
-            WHERE o.id = ANY($2) AND o.published_at IS NULL AND o.failed_at IS NULL
+            WHERE o.id = ANY($2) AND o.failed_at IS NULL
             RETURNING 1
         )
         SELECT (SELECT count(*) FROM deleted) FROM commit_mode
