@@ -61,14 +61,19 @@ pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, 
     .rows_affected())
 }
 
-/// Where a re-drive sweep goes on from: the `(run_at, id)` of the last job
-/// looked at; `None` is the start.
-pub type RedriveCursor = Option<(DateTime<Utc>, i64)>;
+/// Where a re-drive sweep stands: candidates due by `until` (fixed when the
+/// sweep starts, so a sweep ends even while jobs keep coming due), after the
+/// `(run_at, id)` of the last one looked at. `None`: a new sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedriveCursor {
+    pub until: DateTime<Utc>,
+    pub after: (DateTime<Utc>, i64),
+}
 
 /// One step of a re-drive sweep: looks at the next 1,000 candidates after
 /// `from` (`broker` jobs of kinds routed to `sink`, ready and due longer than
-/// `after`, with no row pending on their current route, in `(run_at, id)`
-/// order) and gives a fresh outbox row to those none was published for
+/// `after` when the sweep started, with no row pending on their current
+/// route, in `(run_at, id)` order) and gives a fresh outbox row to those none was published for
 /// within `after`. Returns how many got one, and where the next step goes on
 /// (`None` once the candidates ran out). Pending rows addressed elsewhere (a
 /// route since changed) do not count. A publication counts when it went to
@@ -82,15 +87,16 @@ pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
     after: Duration,
-    from: RedriveCursor,
-) -> Result<(u64, RedriveCursor), sqlx::Error> {
-    let (redriven, run_at, id): (i64, Option<DateTime<Utc>>, Option<i64>) = sqlx::query_as(
+    from: Option<RedriveCursor>,
+) -> Result<(u64, Option<RedriveCursor>), sqlx::Error> {
+    type Step = (i64, DateTime<Utc>, Option<DateTime<Utc>>, Option<i64>);
+    let (redriven, until, run_at, id): Step = sqlx::query_as(
         r#"
         WITH candidates AS MATERIALIZED (
             SELECT j.id, j.run_at FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
             WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
-              AND j.run_at <= now() - $2 * interval '1 millisecond'
-              AND ($3::timestamptz IS NULL OR (j.run_at, j.id) > ($3, $4))
+              AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
+              AND (j.run_at, j.id) > (coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
               AND NOT EXISTS (
                   SELECT 1 FROM almanac.outbox o
                   WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
@@ -115,17 +121,20 @@ pub async fn redrive<'e>(
             SELECT run_at, id FROM candidates ORDER BY run_at DESC, id DESC LIMIT 1
         )
         SELECT (SELECT n FROM redriven),
+            coalesce($5, now() - $2 * interval '1 millisecond'),
             (SELECT run_at FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
             (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000)
         "#,
     )
     .bind(sink)
     .bind(i64::try_from(after.as_millis()).unwrap_or(i64::MAX))
-    .bind(from.map(|(t, _)| t))
-    .bind(from.map(|(_, id)| id))
+    .bind(from.map(|c| c.after.0))
+    .bind(from.map(|c| c.after.1))
+    .bind(from.map(|c| c.until))
     .fetch_one(db)
     .await?;
-    Ok((redriven as u64, run_at.zip(id)))
+    let next = run_at.zip(id).map(|after| RedriveCursor { until, after });
+    Ok((redriven as u64, next))
 }
 
 /// Buries the jobs of outbox rows the broker rejected for good: a ready job

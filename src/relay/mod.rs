@@ -177,7 +177,7 @@ pub struct Relay {
     publisher: Publisher,
     config: RelayConfig,
     /// Where the re-drive sweep goes on.
-    redrive_from: routing::RedriveCursor,
+    redrive_from: Option<routing::RedriveCursor>,
 }
 
 impl Relay {
