@@ -19,7 +19,7 @@
 //!   While one batch is in flight the next is claimed, and the previous one
 //!   is marked.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
-//!   are marked published. A `Retriable` failure (broker down, timeout, broken
+//!   are deleted, their batch kept as the record. A `Retriable` failure (broker down, timeout, broken
 //!   link: "maybe sent") keeps the row, with `last_error`, for a later try with
 //!   backoff, however long the broker stays away. An `Unroutable` row (no
 //!   queue bound, destination cannot be created) is retried until it has used
