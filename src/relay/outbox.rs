@@ -230,38 +230,22 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
         let ids: Vec<i64> = outcomes.retry.iter().map(|r| r.0).collect();
         let errors: Vec<&str> = outcomes.retry.iter().map(|r| r.1.as_str()).collect();
         let delays: Vec<i64> = outcomes.retry.iter().map(|r| millis(r.2)).collect();
-        marked.retried = sqlx::query(
-            r#"
-            UPDATE almanac.outbox AS o
-            SET last_error = f.error, attempts = o.attempts + 1,
-                available_at = now() + f.delay_ms * interval '1 millisecond'
-            FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
-            WHERE o.id = f.id AND o.failed_at IS NULL
-            "#,
-        )
-        .bind(&ids)
-        .bind(&errors)
-        .bind(&delays)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        marked.retried = sqlx::query(MARK_RETRY_SQL)
+            .bind(&ids)
+            .bind(&errors)
+            .bind(&delays)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
     }
     if !outcomes.failed.is_empty() {
         let (ids, errors): (Vec<i64>, Vec<&str>) =
             outcomes.failed.iter().map(|f| (f.0, f.1.as_str())).unzip();
-        marked.failed = sqlx::query_as(
-            r#"
-            UPDATE almanac.outbox AS o
-            SET failed_at = now(), last_error = f.error, attempts = o.attempts + 1
-            FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
-            WHERE o.id = f.id AND o.failed_at IS NULL
-            RETURNING o.id, o.job_id, o.destination, f.error
-            "#,
-        )
-        .bind(&ids)
-        .bind(&errors)
-        .fetch_all(&mut *tx)
-        .await?;
+        marked.failed = sqlx::query_as(MARK_FAILED_SQL)
+            .bind(&ids)
+            .bind(&errors)
+            .fetch_all(&mut *tx)
+            .await?;
         let (jobs, reasons): (Vec<i64>, Vec<String>) = marked
             .failed
             .iter()
@@ -276,21 +260,14 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 // The marks look rows up by id and test `failed_at` alone: rows of a batch
 // are never published before 0014, and naming both columns would match
 // `outbox_due_idx`'s predicate, and tempt the planner into scanning the
-// whole backlog through it for each mark (seen: 30 times slower).
+// whole backlog through it for each mark (seen: 30 times slower). `o.id =
+// ANY($1)` beside the join with `unnest` gives the planner the primary key
+// (without it, it hashed the whole outbox). The plans are checked in
+// `tests/relay.rs`.
 
-/// The batch part of [`mark`], in one statement: takes the batch (its row
-/// lock orders this against claims and `route set`) and deletes the
-/// published rows; `None` when the batch is gone. `asynchronous` sets
-/// `synchronous_commit = off` for the transaction it runs in.
-async fn mark_batch(
-    conn: &mut PgConnection,
-    token: Uuid,
-    published: &[(i64, i64)],
-    asynchronous: bool,
-) -> Result<Option<u64>, sqlx::Error> {
-    let (ids, jobs): (Vec<i64>, Vec<i64>) = published.iter().copied().unzip();
-    let deleted: Option<i64> = sqlx::query_scalar(
-        r#"
+/// The batch part of a mark: `$1` token, `$2` published ids, `$3` their
+/// jobs, `$4` asynchronous commit.
+pub const MARK_BATCH_SQL: &str = r#"
         WITH commit_mode AS (
             SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
         ), published AS (
@@ -309,14 +286,44 @@ async fn mark_batch(
         )
         SELECT (SELECT count(*) FROM deleted) FROM commit_mode
         WHERE EXISTS (SELECT 1 FROM published UNION ALL SELECT 1 FROM dropped)
-        "#,
-    )
-    .bind(token)
-    .bind(&ids)
-    .bind(&jobs)
-    .bind(asynchronous)
-    .fetch_optional(&mut *conn)
-    .await?;
+        "#;
+
+/// Rows to retry: `$1` ids, `$2` errors, `$3` delays in milliseconds.
+pub const MARK_RETRY_SQL: &str = r#"
+    UPDATE almanac.outbox AS o
+    SET last_error = f.error, attempts = o.attempts + 1,
+        available_at = now() + f.delay_ms * interval '1 millisecond'
+    FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms)
+    WHERE o.id = ANY($1) AND o.id = f.id AND o.failed_at IS NULL
+    "#;
+
+/// Rows failed for good: `$1` ids, `$2` reasons.
+pub const MARK_FAILED_SQL: &str = r#"
+    UPDATE almanac.outbox AS o
+    SET failed_at = now(), last_error = f.error, attempts = o.attempts + 1
+    FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
+    WHERE o.id = ANY($1) AND o.id = f.id AND o.failed_at IS NULL
+    RETURNING o.id, o.job_id, o.destination, f.error
+    "#;
+
+/// The batch part of [`mark`], in one statement: takes the batch (its row
+/// lock orders this against claims and `route set`) and deletes the
+/// published rows; `None` when the batch is gone. `asynchronous` sets
+/// `synchronous_commit = off` for the transaction it runs in.
+async fn mark_batch(
+    conn: &mut PgConnection,
+    token: Uuid,
+    published: &[(i64, i64)],
+    asynchronous: bool,
+) -> Result<Option<u64>, sqlx::Error> {
+    let (ids, jobs): (Vec<i64>, Vec<i64>) = published.iter().copied().unzip();
+    let deleted: Option<i64> = sqlx::query_scalar(MARK_BATCH_SQL)
+        .bind(token)
+        .bind(&ids)
+        .bind(&jobs)
+        .bind(asynchronous)
+        .fetch_optional(&mut *conn)
+        .await?;
     Ok(deleted.map(|n| n as u64))
 }
 
