@@ -391,23 +391,31 @@ async fn rabbitmq_relays_of_one_sink_publish_each_row_once(pool: PgPool) {
     relays_of_one_sink_publish_each_row_once(pool, SinkKind::Rabbitmq).await;
 }
 
-/// Claims of one sink running at the same moment never share a row: eight at
-/// a time until the backlog is claimed, each row in exactly one batch.
-async fn concurrent_claims_never_share_a_row(pool: PgPool) {
+/// Routes kind `task` to Kafka (no broker is needed: only claims and marks
+/// run) and enqueues `thousands` × 1,000 jobs, each with its outbox row.
+async fn kafka_backlog(pool: &PgPool, thousands: usize) {
     let mut conn = pool.acquire().await.unwrap();
     routes::set(
         &mut conn,
         "task",
         RouteMode::Broker,
         Some(SinkKind::Kafka),
-        Some("claims"),
+        Some("backlog"),
     )
     .await
     .unwrap();
-    let jobs: Vec<NewJob> = (0..2000)
-        .map(|i| NewJob::new("task").idempotency_key(format!("claim:{i}")))
-        .collect();
-    queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+    for chunk in 0..thousands {
+        let jobs: Vec<NewJob> = (0..1000)
+            .map(|i| NewJob::new("task").idempotency_key(format!("backlog:{chunk}:{i}")))
+            .collect();
+        queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+    }
+}
+
+/// Claims of one sink running at the same moment never share a row: eight at
+/// a time until the backlog is claimed, each row in exactly one batch.
+async fn concurrent_claims_never_share_a_row(pool: PgPool) {
+    kafka_backlog(&pool, 2).await;
     let mut seen = std::collections::HashSet::new();
     loop {
         let claims = (0..8).map(|_| {
@@ -469,22 +477,8 @@ async fn concurrent_claims_never_share_a_row_under_a_repeatable_read_default(poo
 /// not guard it.)
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
+    kafka_backlog(&pool, 40).await;
     let mut conn = pool.acquire().await.unwrap();
-    routes::set(
-        &mut conn,
-        "task",
-        RouteMode::Broker,
-        Some(SinkKind::Kafka),
-        Some("plans"),
-    )
-    .await
-    .unwrap();
-    for chunk in 0..40 {
-        let jobs: Vec<NewJob> = (0..1000)
-            .map(|i| NewJob::new("task").idempotency_key(format!("plan:{chunk}:{i}")))
-            .collect();
-        queue::enqueue_many(&mut conn, &jobs).await.unwrap();
-    }
     sqlx::query("ANALYZE almanac.outbox")
         .execute(&mut *conn)
         .await

@@ -26,6 +26,15 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// A synced schedule, parsed, and when it was first synced.
+async fn synced_schedule(
+    conn: &mut sqlx::PgConnection,
+    name: &str,
+) -> (almanac::scheduler::spec::Schedule, DateTime<Utc>) {
+    let synced = history::synced_one(conn, name).await.unwrap().unwrap();
+    (synced.schedule().unwrap(), synced.created_at)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -207,16 +216,12 @@ async fn seed(pool: &PgPool) -> (String, DateTime<Utc>) {
     )
     .await;
     let mut conn = pool.acquire().await.unwrap();
-    let synced = history::synced_one(&mut conn, "nightly")
-        .await
-        .unwrap()
-        .unwrap();
-    let schedule = synced.schedule().unwrap();
+    let (schedule, created_at) = synced_schedule(&mut conn, "nightly").await;
     let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-    let runs = schedule.runs_between(synced.created_at, now);
+    let runs = schedule.runs_between(created_at, now);
     assert!(runs.len() >= 9, "{} runs", runs.len());
     let hole = runs[4].clone();
     for (i, run) in runs.iter().enumerate() {
@@ -480,18 +485,10 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
     assert!(skipped.contains("skipped (overlap)"), "{skipped}");
     // Exactly what `gaps` reports for the calendar's range.
     let mut conn = pool.acquire().await.unwrap();
-    let schedule = history::synced_one(&mut conn, "nightly")
+    let (schedule, created_at) = synced_schedule(&mut conn, "nightly").await;
+    let gaps = almanac::scheduler::backfill::gaps(&mut conn, &schedule, created_at, Utc::now())
         .await
-        .unwrap()
         .unwrap();
-    let gaps = almanac::scheduler::backfill::gaps(
-        &mut conn,
-        &schedule.schedule().unwrap(),
-        schedule.created_at,
-        Utc::now(),
-    )
-    .await
-    .unwrap();
     assert_eq!(
         gaps.iter()
             .map(|r| r.logical_run.clone())
@@ -1054,12 +1051,8 @@ async fn a_run_due_this_minute_is_due_not_missing(pool: PgPool) {
     )
     .await;
     let mut conn = pool.acquire().await.unwrap();
-    let synced = history::synced_one(&mut conn, "minutely")
-        .await
-        .unwrap()
-        .unwrap();
-    let schedule = synced.schedule().unwrap();
-    let calendar = history::calendar(&mut conn, &schedule, synced.created_at)
+    let (schedule, created_at) = synced_schedule(&mut conn, "minutely").await;
+    let calendar = history::calendar(&mut conn, &schedule, created_at)
         .await
         .unwrap();
     let last = calendar.cells.last().unwrap();
@@ -1079,7 +1072,7 @@ async fn a_run_due_this_minute_is_due_not_missing(pool: PgPool) {
     let gaps = almanac::scheduler::backfill::gaps(
         &mut conn,
         &schedule,
-        synced.created_at,
+        created_at,
         last.run.fire_at,
     )
     .await

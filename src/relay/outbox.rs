@@ -76,7 +76,7 @@ pub struct Claimed {
 /// does not collide with an application's locks by accident.
 const CLAIM_LOCK: i32 = 0x616c_6f63;
 
-/// The second key of a sink's claim lock ([`readdress`] takes both).
+/// The second key of a sink's claim lock ([`readdress`] takes every sink's).
 fn claim_lock(sink: SinkKind) -> i32 {
     match sink {
         SinkKind::Kafka => 0,
@@ -366,8 +366,10 @@ pub async fn readdress(
     // Claims of both sinks wait until this transaction ends, so none picks
     // a row about to move; in-flight batches naming such a row are dropped,
     // so their relays mark nothing. (Batch before rows, as in `mark`.)
-    sqlx::query("SELECT pg_advisory_xact_lock($1, 0), pg_advisory_xact_lock($1, 1)")
+    // Always in the same order (`SinkKind::ALL`), so two never deadlock.
+    sqlx::query("SELECT pg_advisory_xact_lock($1, k) FROM unnest($2::int[]) AS k")
         .bind(CLAIM_LOCK)
+        .bind(SinkKind::ALL.map(claim_lock).to_vec())
         .execute(&mut *conn)
         .await?;
     sqlx::query(
