@@ -57,8 +57,8 @@ ALTER TABLE almanac.outbox RESET (fillfactor);
 -- whose lease ended but whose mark is under way (row locked) is not waited
 -- for: its rows are claimed again, a second copy the job fence absorbs.
 -- Commits asynchronously: a claim lost in a crash only means its rows are
--- published again (see `begin_async_commit`); call it in its own
--- transaction.
+-- published again (the module doc of `almanac::relay::outbox` says why
+-- that is safe); call it in its own transaction.
 CREATE FUNCTION almanac.claim_outbox(
     p_sink text, p_lock_class int, p_lock_key int, p_limit bigint, p_token uuid, p_lease_ms bigint)
 RETURNS TABLE (id bigint, job_id bigint, destination text, msg_key text, payload text,

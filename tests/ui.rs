@@ -1069,14 +1069,10 @@ async fn a_run_due_this_minute_is_due_not_missing(pool: PgPool) {
         "{} missing: {missing:?}",
         missing.len()
     );
-    let gaps = almanac::scheduler::backfill::gaps(
-        &mut conn,
-        &schedule,
-        created_at,
-        last.run.fire_at,
-    )
-    .await
-    .unwrap();
+    let gaps =
+        almanac::scheduler::backfill::gaps(&mut conn, &schedule, created_at, last.run.fire_at)
+            .await
+            .unwrap();
     assert_eq!(
         gaps.iter()
             .map(|r| r.logical_run.clone())

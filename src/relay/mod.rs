@@ -15,7 +15,7 @@
 //!   rows failed) takes the batch back by its token, deletes the published
 //!   rows and keeps the batch as the record of their publication. No row lock
 //!   or transaction is held while a broker thinks. Claims and marks commit
-//!   asynchronously ([`outbox::begin_async_commit`] says why that is safe).
+//!   asynchronously ([`outbox`] says why that is safe).
 //!   While one batch is in flight the next is claimed, and the previous one
 //!   is marked.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows

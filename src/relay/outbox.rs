@@ -3,11 +3,22 @@
 //! re-addressing that keeps pending rows on their kind's current route, and
 //! the per-sink figures for `almanac stats` and the metrics. (Outbox rows are
 //! written by the trigger in `0003_outbox.sql` through `almanac.write_outbox`.)
+//!
+//! **Asynchronous commit.** The claim and the marks that bury no job set
+//! `synchronous_commit = off` for their own transaction (inside their one
+//! statement; per transaction, not as a connection option, so it works
+//! through PgBouncer): their commit does not wait for the WAL to reach the
+//! disk. That is safe there and only there: a commit that a PostgreSQL crash
+//! loses (at most the last few hundred milliseconds) undoes a claim or a
+//! mark, and the rows are published once more, which the relay already
+//! allows for (a second copy is harmless: consumers claim through the job
+//! fence). Nothing is lost and no job runs twice. Marks that bury jobs
+//! commit synchronously.
 
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgExecutor, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgExecutor, PgPool};
 
 use crate::queue::routing;
 use uuid::Uuid;
@@ -16,26 +27,6 @@ use crate::broker::SinkKind;
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A transaction with asynchronous commit (`SET LOCAL synchronous_commit =
-/// off`): its commit does not wait for the WAL to reach the disk. The relay's
-/// claims, marks and hand-backs commit this way (the claim and the common
-/// mark set it inside their one statement), and nothing else. That is safe
-/// there and only there: a commit that a PostgreSQL crash loses (at most the
-/// last few hundred milliseconds) undoes a claim or a mark, and the rows are
-/// published once more, which the relay already allows for (a second copy
-/// is harmless: consumers claim through the job fence). Nothing is lost and
-/// no job runs twice. Marks that bury jobs commit synchronously. (Set per
-/// transaction, not as a connection option, so it works through PgBouncer.)
-pub async fn begin_async_commit(
-    pool: &PgPool,
-) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SET LOCAL synchronous_commit = off")
-        .execute(&mut *tx)
-        .await?;
-    Ok(tx)
 }
 
 /// One outbox row, as claimed: the body is the payload's JSON text, headers
@@ -330,15 +321,13 @@ async fn mark_batch(
 /// Hands back a batch whose rows were never sent (claimed ahead, then not
 /// needed): they are due again at once, and the try is not counted.
 pub async fn release(pool: &PgPool, token: Uuid) -> Result<u64, sqlx::Error> {
-    let mut tx = begin_async_commit(pool).await?;
-    let released =
+    Ok(
         sqlx::query("DELETE FROM almanac.outbox_batches WHERE token = $1 AND published_at IS NULL")
             .bind(token)
-            .execute(&mut *tx)
+            .execute(pool)
             .await?
-            .rows_affected();
-    tx.commit().await?;
-    Ok(released)
+            .rows_affected(),
+    )
 }
 
 /// A row marked failed, with the job it was for.
