@@ -98,16 +98,19 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
     elapsed
 }
 
-/// The relay's own statements with no broker: claim a batch, mark the
-/// previous one published (on another connection, as the relay does), until
+/// The relay's own statements with no broker: claim a batch (after the
+/// previous one, as the relay does), mark the previous one published (on
+/// another connection, as the relay does), until
 /// `MESSAGES` rows are through. The ceiling the database puts on the relay.
 async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Duration> {
     let lease = RelayConfig::default().in_flight_lease;
     let start = Instant::now();
     let mut done = 0;
     let mut marking: Option<tokio::task::JoinHandle<Result<u64, sqlx::Error>>> = None;
+    let mut after = None;
     while done < MESSAGES {
-        let claimed = outbox::claim(pool, sink, BATCH as i64, lease).await?;
+        let claimed = outbox::claim_after(pool, sink, BATCH as i64, lease, after).await?;
+        after = claimed.last;
         anyhow::ensure!(!claimed.rows.is_empty(), "the outbox ran dry at {done}");
         done += claimed.rows.len();
         if let Some(previous) = marking.take() {

@@ -475,6 +475,54 @@ async fn concurrent_claims_never_share_a_row_under_a_repeatable_read_default(poo
 /// the benchmark's larger, freshly churned table; at this size the planner
 /// does not take that index even with the old predicate, so this test does
 /// not guard it.)
+/// A claim that starts after the previous batch skips what lies behind it;
+/// a row that came due there (here: enqueued later with an earlier
+/// `run_at`) is left to the next claim from the start, which finds it.
+/// Every row is claimed once.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_claim_from_the_start_finds_rows_behind_a_claim_position(pool: PgPool) {
+    kafka_backlog(&pool, 1).await;
+    let lease = Duration::from_secs(60);
+    let claim = |after| outbox::claim_after(&pool, SinkKind::Kafka, 1000, lease, after);
+    let first = outbox::claim(&pool, SinkKind::Kafka, 10, lease)
+        .await
+        .unwrap();
+    assert_eq!(first.rows.len(), 10);
+    let earlier = chrono::Utc::now() - chrono::Duration::hours(1);
+    let queue::Enqueued::New(behind) = queue::enqueue(
+        &mut pool.acquire().await.unwrap(),
+        &NewJob::new("task").run_at(earlier),
+    )
+    .await
+    .unwrap() else {
+        panic!("a fresh job without a key is new")
+    };
+    let after = claim(first.last).await.unwrap();
+    assert_eq!(
+        after.rows.len(),
+        990,
+        "the rest of the backlog, after the first batch"
+    );
+    assert!(
+        after.rows.iter().all(|r| r.job_id != behind),
+        "a claim after a position took a row behind it"
+    );
+    let from_start = claim(None).await.unwrap();
+    let jobs: Vec<i64> = from_start.rows.iter().map(|r| r.job_id).collect();
+    assert_eq!(
+        jobs,
+        vec![behind],
+        "the claim from the start finds the row behind"
+    );
+    let mut ids: Vec<i64> = [first, after, from_start]
+        .iter()
+        .flat_map(|c| c.rows.iter().map(|r| r.id))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 1001, "every row claimed once");
+}
+
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
     kafka_backlog(&pool, 40).await;
@@ -499,9 +547,9 @@ async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
         (
             "batch",
             outbox::MARK_BATCH_SQL,
-            "uuid, bigint[], bigint[], bool",
+            "uuid, bigint[], bigint[], bool, bool",
             format!(
-                "'{}', {}, {}, true",
+                "'{}', {}, {}, true, true",
                 claimed.token,
                 array(&ids_text),
                 array(&jobs_text)

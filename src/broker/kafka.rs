@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::FutureProducer;
 use rdkafka::util::Timeout;
@@ -21,6 +22,22 @@ pub fn producer(
     ack_timeout: Duration,
     max_message_bytes: usize,
 ) -> Result<FutureProducer, SinkError> {
+    producer_with(
+        brokers,
+        ack_timeout,
+        max_message_bytes,
+        DefaultClientContext,
+    )
+}
+
+/// [`producer`]'s settings, for a producer of type `P` whose `context`
+/// receives the delivery reports (the relay's batches: `relay::kafka`).
+pub fn producer_with<C: ClientContext, P: FromClientConfigAndContext<C>>(
+    brokers: &str,
+    ack_timeout: Duration,
+    max_message_bytes: usize,
+    context: C,
+) -> Result<P, SinkError> {
     ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
@@ -30,7 +47,7 @@ pub fn producer(
         .set("linger.ms", "2")
         .set("batch.num.messages", "10000")
         .set("queue.buffering.max.messages", "200000")
-        .create()
+        .create_with_context(context)
         .map_err(|e| {
             SinkError::Broker(format!("cannot create a Kafka producer for {brokers}: {e}"))
         })

@@ -1,49 +1,151 @@
 //! Kafka: an idempotent producer with `acks=all` (see
-//! [`crate::broker::kafka::producer`]); the message key is the job's
+//! [`crate::broker::kafka::producer_with`]); the message key is the job's
 //! idempotency key and headers carry job id, kind, attempt and logical run.
 //! A batch is handed to the producer at once (its `linger.ms` groups it into
 //! produce requests) and its delivery reports are awaited together, while
-//! the relay hands over the next batch. A row
-//! counts as published only when its delivery report succeeds; a failed or
-//! timed-out delivery is "maybe sent" (a second copy is harmless: consumers
-//! claim through the fence). After failed deliveries the producer is
-//! recreated: a broker that came back may not know this idempotent
+//! the relay hands over the next batch: librdkafka's polling thread writes
+//! each report into the batch's [`Deliveries`], and the relay is woken once,
+//! when the last is in (not once per message). A row counts as published
+//! only when its delivery report succeeds; a failed or timed-out delivery,
+//! or a report that never came, is "maybe sent" (a second copy is harmless:
+//! consumers claim through the fence). After failed deliveries the producer
+//! is recreated: a broker that came back may not know this idempotent
 //! producer's id and sequence numbers.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::admin::AdminClient;
-use rdkafka::client::DefaultClientContext;
+use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::util::Timeout;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tracing::warn;
 
 use super::OutboxRow;
-use crate::broker::kafka::{admin, classify, ensure_topic, producer};
+use crate::broker::kafka::{admin, ensure_topic, producer_with};
 use crate::broker::{PublishError, SinkConfig, SinkError};
+
+type RelayProducer = ThreadedProducer<Reports>;
 
 pub struct KafkaPublisher {
     brokers: String,
-    producer: FutureProducer,
+    producer: Arc<RelayProducer>,
     admin: AdminClient<DefaultClientContext>,
     partitions: i32,
     replication: i32,
     ack_timeout: Duration,
     max_message_bytes: usize,
     ensured: HashSet<String>,
-    retired: Option<FutureProducer>,
+    retired: Option<Arc<RelayProducer>>,
 }
 
-/// A message handed to the broker, resolving with its acknowledgement.
-pub type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
+/// How long past `ack_timeout` a batch waits for delivery reports that
+/// librdkafka owes (it reports every message within `message.timeout.ms`)
+/// before it calls the missing ones "maybe sent".
+const REPORT_GRACE: Duration = Duration::from_secs(5);
+
+/// A batch's delivery reports, one slot per message, written by the
+/// producer's polling thread.
+pub struct Deliveries {
+    results: Mutex<Vec<Option<Result<(), KafkaError>>>>,
+    left: AtomicUsize,
+    done: Notify,
+}
+
+impl Deliveries {
+    fn new(messages: usize) -> Arc<Self> {
+        Arc::new(Deliveries {
+            results: Mutex::new(vec![None; messages]),
+            left: AtomicUsize::new(messages),
+            done: Notify::new(),
+        })
+    }
+
+    /// Records message `index`'s outcome; the first one recorded counts.
+    fn set(&self, index: usize, result: Result<(), KafkaError>) {
+        let mut results = self.results.lock().unwrap_or_else(|e| e.into_inner());
+        if results[index].is_some() {
+            return;
+        }
+        results[index] = Some(result);
+        drop(results);
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+}
+
+/// A message's place in its batch, handed to librdkafka with the message
+/// and back with its delivery report. Dropped without a report (a purged
+/// producer, a send that failed), it records the message as canceled.
+pub struct Slot {
+    batch: Arc<Deliveries>,
+    index: usize,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.batch.set(self.index, Err(KafkaError::Canceled));
+    }
+}
+
+/// Receives the relay producer's delivery reports.
+pub struct Reports;
+
+impl ClientContext for Reports {}
+
+impl ProducerContext for Reports {
+    type DeliveryOpaque = Box<Slot>;
+
+    fn delivery(&self, report: &DeliveryResult<'_>, slot: Box<Slot>) {
+        let result = match report {
+            Ok(_) => Ok(()),
+            Err((error, _)) => Err(error.clone()),
+        };
+        slot.batch.set(slot.index, result);
+    }
+}
+
+/// A sent batch whose delivery reports are still to come.
+pub struct KafkaInFlight {
+    batch: Arc<Deliveries>,
+    deadline: Instant,
+}
+
+impl KafkaInFlight {
+    /// Each message's delivery result, in the order sent, once all are in
+    /// or the deadline passed (a missing report reads as canceled).
+    pub async fn reports(self) -> Vec<Result<(), KafkaError>> {
+        if self.batch.left.load(Ordering::Acquire) > 0 {
+            // `notify_one` keeps a permit when it fires first.
+            let _ = tokio::time::timeout_at(self.deadline, self.batch.done.notified()).await;
+        }
+        let mut results = self.batch.results.lock().unwrap_or_else(|e| e.into_inner());
+        results
+            .iter_mut()
+            .map(|r| r.take().unwrap_or(Err(KafkaError::Canceled)))
+            .collect()
+    }
+}
+
+fn relay_producer(
+    brokers: &str,
+    config_ack: Duration,
+    max: usize,
+) -> Result<Arc<RelayProducer>, SinkError> {
+    producer_with(brokers, config_ack, max, Reports).map(Arc::new)
+}
 
 impl KafkaPublisher {
     pub fn new(brokers: String, config: &SinkConfig) -> Result<Self, SinkError> {
         Ok(KafkaPublisher {
-            producer: producer(&brokers, config.ack_timeout, config.max_message_bytes)?,
+            producer: relay_producer(&brokers, config.ack_timeout, config.max_message_bytes)?,
             admin: admin(&brokers)?,
             brokers,
             partitions: config.kafka_partitions,
@@ -72,12 +174,11 @@ impl KafkaPublisher {
     }
 
     /// Hands `rows` (whose destinations are prepared) to the producer
-    /// without waiting for the broker; one future per row, in order, that
-    /// resolves with its delivery report. A full local queue waits for room
-    /// (then for that delivery) instead of failing.
-    pub async fn send(&mut self, rows: &[&OutboxRow]) -> Vec<Pending> {
-        let mut pending: Vec<Pending> = Vec::with_capacity(rows.len());
-        for row in rows {
+    /// without waiting for the broker. A full local queue waits for room
+    /// (up to `ack_timeout`) instead of failing.
+    pub async fn send(&mut self, rows: &[&OutboxRow]) -> KafkaInFlight {
+        let batch = Deliveries::new(rows.len());
+        for (index, row) in rows.iter().enumerate() {
             let mut headers = OwnedHeaders::new_with_capacity(row.header_names.len());
             for (key, value) in row.header_names.iter().zip(&row.header_values) {
                 headers = headers.insert(Header {
@@ -85,34 +186,37 @@ impl KafkaPublisher {
                     value: Some(value.as_str()),
                 });
             }
-            let record = FutureRecord::to(&row.destination)
+            let slot = Box::new(Slot {
+                batch: batch.clone(),
+                index,
+            });
+            let mut record = BaseRecord::with_opaque_to(&row.destination, slot)
                 .key(&row.msg_key)
                 .payload(row.payload.as_bytes())
                 .headers(headers);
-            let topic = row.destination.clone();
-            match self.producer.send_result(record) {
-                Ok(delivery) => pending.push(Box::pin(async move {
-                    match delivery.await {
-                        Ok(Ok(_)) => Ok(()),
-                        Ok(Err((error, _))) => Err(classify(&topic, error)),
-                        Err(_) => Err(classify(&topic, KafkaError::Canceled)),
+            let room_by = Instant::now() + self.ack_timeout;
+            loop {
+                match self.producer.send(record) {
+                    Ok(()) => break,
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if Instant::now() < room_by =>
+                    {
+                        // Room comes as earlier messages are acknowledged.
+                        record = back;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
                     }
-                })),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), record)) => {
-                    let done = self
-                        .producer
-                        .send(record, Timeout::After(self.ack_timeout))
-                        .await
-                        .map(|_| ())
-                        .map_err(|(e, _)| classify(&topic, e));
-                    pending.push(Box::pin(std::future::ready(done)));
-                }
-                Err((error, _)) => {
-                    pending.push(Box::pin(std::future::ready(Err(classify(&topic, error)))))
+                    Err((error, back)) => {
+                        batch.set(index, Err(error));
+                        drop(back);
+                        break;
+                    }
                 }
             }
         }
-        pending
+        KafkaInFlight {
+            batch,
+            deadline: Instant::now() + self.ack_timeout + REPORT_GRACE,
+        }
     }
 
     /// Bookkeeping after a batch's deliveries settled: a fresh producer
@@ -140,7 +244,7 @@ impl KafkaPublisher {
         }
         // The old producer stays alive until the next recovery, so a batch
         // still in flight on it settles (published, or "maybe sent").
-        match producer(&self.brokers, self.ack_timeout, self.max_message_bytes) {
+        match relay_producer(&self.brokers, self.ack_timeout, self.max_message_bytes) {
             Ok(fresh) => self.retired = Some(std::mem::replace(&mut self.producer, fresh)),
             Err(err) => warn!(%err, "recreating the Kafka producer failed; will retry"),
         }

@@ -178,7 +178,16 @@ pub struct Relay {
     config: RelayConfig,
     /// Where the re-drive sweep goes on.
     redrive_from: Option<routing::RedriveCursor>,
+    /// When a claim last started from the start of the due rows.
+    claimed_from_start: Instant,
 }
+
+/// How long claims may start after the previous batch instead of from the
+/// start of the due rows (which steps over every row published since the
+/// last VACUUM: [`outbox::claim_after`]). A row that comes due behind the
+/// batches (an earlier `run_at`, a late commit, a batch handed back or whose
+/// lease ended) waits at most this long longer.
+const CLAIM_FROM_START_EVERY: Duration = Duration::from_secs(1);
 
 impl Relay {
     pub fn new(pool: PgPool, publisher: Publisher, config: RelayConfig) -> Self {
@@ -187,13 +196,28 @@ impl Relay {
             publisher,
             config,
             redrive_from: None,
+            claimed_from_start: Instant::now(),
         }
     }
 
-    fn claim(&self) -> impl std::future::Future<Output = Result<Claimed, sqlx::Error>> + 'static {
+    /// Claims the next batch, after `after` unless the last claim from the
+    /// start is [`CLAIM_FROM_START_EVERY`] old; the flag says whether it
+    /// claimed from the start.
+    fn claim(
+        &mut self,
+        after: Option<outbox::ClaimPosition>,
+    ) -> impl std::future::Future<Output = Result<(Claimed, bool), sqlx::Error>> + 'static {
+        let now = Instant::now();
+        let after = after.filter(|_| now < self.claimed_from_start + CLAIM_FROM_START_EVERY);
+        if after.is_none() {
+            self.claimed_from_start = now;
+        }
         let (pool, sink) = (self.pool.clone(), self.publisher.sink());
         let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
-        async move { outbox::claim(&pool, sink, limit, lease).await }
+        async move {
+            let claimed = outbox::claim_after(&pool, sink, limit, lease, after).await?;
+            Ok((claimed, after.is_none()))
+        }
     }
 
     /// The outcome of each row of a published batch.
@@ -220,7 +244,7 @@ impl Relay {
 
     /// Claims, publishes and marks one batch (without pipelining).
     pub async fn run_once(&mut self) -> Result<RelayReport, RelayError> {
-        let claimed = self.claim().await?;
+        let (claimed, _) = self.claim(None).await?;
         if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
@@ -232,8 +256,10 @@ impl Relay {
         Ok(mark(self.pool.clone(), self.publisher.sink(), claimed, outcomes).await?)
     }
 
-    /// Publishes due rows batch after batch until a batch comes back short
-    /// or has rows to retry. Pipelined: while one batch awaits its
+    /// Publishes due rows batch after batch until a batch claimed from the
+    /// start comes back short, or a batch has rows to retry. Each claim
+    /// starts after the previous batch (a short one is followed by a claim
+    /// from the start). Pipelined: while one batch awaits its
     /// acknowledgements the next is claimed and sent, and each batch is
     /// marked while the following ones go out. At most two batches are
     /// unacknowledged at a time.
@@ -241,22 +267,25 @@ impl Relay {
         let mut report = RelayReport::default();
         let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
         let mut outstanding: Option<(Claimed, InFlight)> = None;
-        let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
-        let mut claimed = Some(self.claim().await?);
+        let mut next_claim: Option<JoinHandle<Result<(Claimed, bool), sqlx::Error>>> = None;
+        let mut claimed = Some(self.claim(None).await?);
         let mut result = Ok(());
         let mut finishing_failed = false;
         loop {
             let mut stop = true;
             let mut sent = None;
-            if let Some(batch) = claimed.take().filter(|c| !c.rows.is_empty()) {
+            if let Some((batch, from_start)) = claimed.take() {
                 let full = batch.rows.len() as i64 >= self.config.batch_size;
                 // The next claim runs while this batch is handed over.
-                if full {
-                    next_claim = Some(tokio::spawn(self.claim()));
+                if full || !from_start {
+                    let after = if full { batch.last } else { None };
+                    next_claim = Some(tokio::spawn(self.claim(after)));
+                    stop = false;
                 }
-                let in_flight = self.publisher.send(&batch.rows).await;
-                sent = Some((batch, in_flight));
-                stop = !full;
+                if !batch.rows.is_empty() {
+                    let in_flight = self.publisher.send(&batch.rows).await;
+                    sent = Some((batch, in_flight));
+                }
             }
             if let Some((batch, in_flight)) = outstanding.take() {
                 match self
@@ -315,7 +344,7 @@ impl Relay {
             // answering), they come back when their in-flight lease ends.
             let pool = self.pool.clone();
             let hand_back = async move {
-                let batch = claim
+                let (batch, _) = claim
                     .await
                     .map_err(|e| e.to_string())?
                     .map_err(|e| e.to_string())?;
@@ -340,7 +369,7 @@ impl Relay {
         marking: &mut Option<JoinHandle<Result<RelayReport, sqlx::Error>>>,
         report: &mut RelayReport,
     ) -> Result<bool, RelayError> {
-        let results = in_flight.acks().await;
+        let results = in_flight.acks(&batch.rows).await;
         self.publisher.settle(&batch.rows, &results);
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));

@@ -17,6 +17,7 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgConnection, PgExecutor, PgPool};
 
@@ -60,6 +61,16 @@ impl OutboxRow {
 pub struct Claimed {
     pub token: Uuid,
     pub rows: Vec<OutboxRow>,
+    /// Where the batch ends in claim order (due time, then id): a later
+    /// claim can start after it ([`claim_after`]). `None` when empty.
+    pub last: Option<ClaimPosition>,
+}
+
+/// A place in the order claims take rows in: `available_at`, then id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ClaimPosition {
+    pub available_at: DateTime<Utc>,
+    pub id: i64,
 }
 
 /// The first key of the transaction-level advisory lock claims of one sink
@@ -76,30 +87,50 @@ fn claim_lock(sink: SinkKind) -> i32 {
 }
 
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
-/// transaction, `almanac.claim_outbox` in migration `0014_outbox_batches.sql`):
-/// a row in `almanac.outbox_batches` with a fresh token, the rows' ids and an
-/// in-flight lease of `lease` (the rows come due again when it ends). The
-/// outbox rows themselves are not written (the migration says why). Rows
-/// named by another batch in flight are skipped (a hashed `NOT IN`); claims
-/// of one sink take an advisory lock for their transaction, so two relays
-/// never pick the same rows, and each first drops the batches whose lease
-/// ended, which fences out their relays' marks. `attempts` of each row
-/// counts this try.
+/// transaction, `almanac.claim_outbox` in migrations `0014_outbox_batches.sql`
+/// and `0015_outbox_claim_position.sql`): a row in `almanac.outbox_batches`
+/// with a fresh token, the rows' ids and an in-flight lease of `lease` (the
+/// rows come due again when it ends). The outbox rows themselves are not
+/// written (0014 says why). Rows named by another batch in flight are
+/// skipped (a hashed `NOT IN`); claims of one sink take an advisory lock for
+/// their transaction, so two relays never pick the same rows, and each first
+/// drops the batches whose lease ended, which fences out their relays'
+/// marks. `attempts` of each row counts this try. Claims from the start of
+/// the due rows; [`claim_after`] starts later.
 pub async fn claim(
     pool: &PgPool,
     sink: SinkKind,
     limit: i64,
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
+    claim_after(pool, sink, limit, lease, None).await
+}
+
+/// [`claim`], taking only rows after `after` in claim order (the whole
+/// order when `None`). A claim that starts after the previous batch does
+/// not step over the index entries rows published since the last VACUUM
+/// leave behind (0015 says what they cost); rows that come due behind the
+/// position are taken by the next claim from the start.
+pub async fn claim_after(
+    pool: &PgPool,
+    sink: SinkKind,
+    limit: i64,
+    lease: Duration,
+    after: Option<ClaimPosition>,
+) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
     let query = || {
-        sqlx::query_as::<_, RawRow>("SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6)")
-            .bind(sink.as_str())
-            .bind(CLAIM_LOCK)
-            .bind(claim_lock(sink))
-            .bind(limit)
-            .bind(token)
-            .bind(millis(lease))
+        sqlx::query_as::<_, RawRow>(
+            "SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(sink.as_str())
+        .bind(CLAIM_LOCK)
+        .bind(claim_lock(sink))
+        .bind(limit)
+        .bind(token)
+        .bind(millis(lease))
+        .bind(after.map(|p| p.available_at))
+        .bind(after.map(|p| p.id))
     };
     let raw = match query().fetch_all(pool).await {
         // The session's default isolation is above READ COMMITTED (the
@@ -114,9 +145,16 @@ pub async fn claim(
         }
         other => other?,
     };
+    let last = raw
+        .iter()
+        .map(|r| ClaimPosition {
+            available_at: r.available_at,
+            id: r.id,
+        })
+        .max();
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
-    Ok(Claimed { token, rows })
+    Ok(Claimed { token, rows, last })
 }
 
 #[derive(sqlx::FromRow)]
@@ -128,6 +166,7 @@ struct RawRow {
     payload: String,
     headers: String,
     attempts: i32,
+    available_at: DateTime<Utc>,
 }
 
 impl From<RawRow> for OutboxRow {
@@ -188,7 +227,8 @@ pub struct Marked {
     pub buried: Vec<i64>,
 }
 
-/// Records a claimed batch's outcome if the batch still holds its rows;
+/// Records a claimed batch's outcome (`outcomes` names every row of the
+/// claim) if the batch still holds its rows;
 /// otherwise (its lease ran out and another relay claimed them again, or
 /// `route set` re-addressed them) marks nothing. Published rows are deleted
 /// and the batch becomes the record of their publication (re-drive reads
@@ -201,7 +241,7 @@ pub struct Marked {
 pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Marked, sqlx::Error> {
     if outcomes.retry.is_empty() && outcomes.failed.is_empty() {
         let mut conn = pool.acquire().await?;
-        let published = mark_batch(&mut conn, token, &outcomes.published, true).await?;
+        let published = mark_batch(&mut conn, token, &outcomes.published, true, true).await?;
         return Ok(Marked {
             published: published.unwrap_or(0),
             ..Marked::default()
@@ -209,7 +249,8 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
     }
     let mut tx = pool.begin().await?;
     let asynchronous = outcomes.failed.is_empty();
-    let Some(published) = mark_batch(&mut tx, token, &outcomes.published, asynchronous).await?
+    let Some(published) =
+        mark_batch(&mut tx, token, &outcomes.published, asynchronous, false).await?
     else {
         return Ok(Marked::default());
     };
@@ -257,13 +298,14 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 // `tests/relay.rs`.
 
 /// The batch part of a mark: `$1` token, `$2` published ids, `$3` their
-/// jobs, `$4` asynchronous commit.
+/// jobs, `$4` asynchronous commit, `$5` every claimed row published (the
+/// batch keeps its stored `ids`: not written again).
 pub const MARK_BATCH_SQL: &str = r#"
         WITH commit_mode AS (
             SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
         ), published AS (
             UPDATE almanac.outbox_batches
-            SET published_at = now(), ids = $2, job_ids = $3
+            SET published_at = now(), ids = CASE WHEN $5 THEN ids ELSE $2 END, job_ids = $3
             WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) > 0
             RETURNING token
         ), dropped AS (
@@ -300,12 +342,14 @@ pub const MARK_FAILED_SQL: &str = r#"
 /// The batch part of [`mark`], in one statement: takes the batch (its row
 /// lock orders this against claims and `route set`) and deletes the
 /// published rows; `None` when the batch is gone. `asynchronous` sets
-/// `synchronous_commit = off` for the transaction it runs in.
+/// `synchronous_commit = off` for the transaction it runs in; `whole_batch`
+/// says `published` is every row claimed.
 async fn mark_batch(
     conn: &mut PgConnection,
     token: Uuid,
     published: &[(i64, i64)],
     asynchronous: bool,
+    whole_batch: bool,
 ) -> Result<Option<u64>, sqlx::Error> {
     let (ids, jobs): (Vec<i64>, Vec<i64>) = published.iter().copied().unzip();
     let deleted: Option<i64> = sqlx::query_scalar(MARK_BATCH_SQL)
@@ -313,6 +357,7 @@ async fn mark_batch(
         .bind(&ids)
         .bind(&jobs)
         .bind(asynchronous)
+        .bind(whole_batch)
         .fetch_optional(&mut *conn)
         .await?;
     Ok(deleted.map(|n| n as u64))

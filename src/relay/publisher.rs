@@ -5,7 +5,12 @@
 
 use std::collections::HashMap;
 
-use super::{kafka::KafkaPublisher, rabbitmq::RabbitPublisher, OutboxRow};
+use futures::future::join_all;
+
+use super::kafka::{KafkaInFlight, KafkaPublisher};
+use super::rabbitmq::{self, RabbitPublisher};
+use super::OutboxRow;
+use crate::broker::kafka::classify;
 use crate::broker::{Plain, PublishError, SinkConfig, SinkError, SinkKind};
 
 pub struct Publisher {
@@ -55,7 +60,7 @@ impl Publisher {
     /// being sent.
     pub async fn publish(&mut self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
         let in_flight = self.send(rows).await;
-        let results = in_flight.acks().await;
+        let results = in_flight.acks(rows).await;
         self.settle(rows, &results);
         results
     }
@@ -66,13 +71,12 @@ impl Publisher {
     /// the results.
     pub async fn send(&mut self, rows: &[OutboxRow]) -> InFlight {
         let max_message_bytes = self.max_message_bytes;
-        let mut slots: Vec<Option<Pending>> = Vec::with_capacity(rows.len());
-        slots.resize_with(rows.len(), || None);
+        let mut early: Vec<Option<Result<(), PublishError>>> = vec![None; rows.len()];
         let mut prepared: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         let mut to_send = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             if row.payload.len() > max_message_bytes {
-                slots[i] = Some(ready(Err(too_large(row, max_message_bytes))));
+                early[i] = Some(Err(too_large(row, max_message_bytes)));
                 continue;
             }
             if !prepared.contains_key(row.destination.as_str()) {
@@ -81,24 +85,19 @@ impl Publisher {
             }
             match &prepared[row.destination.as_str()] {
                 Ok(()) => to_send.push(i),
-                Err(e) => slots[i] = Some(ready(Err(e.clone()))),
+                Err(e) => early[i] = Some(Err(e.clone())),
             }
         }
-        if !to_send.is_empty() {
-            let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
-            let sent = match &mut self.inner {
-                Inner::Kafka(p) => p.send(&batch).await,
-                Inner::Rabbit(p) => p.send(&batch).await,
-            };
-            for (i, pending) in to_send.into_iter().zip(sent) {
-                slots[i] = Some(pending);
-            }
-        }
+        let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
+        let acks = match &mut self.inner {
+            _ if batch.is_empty() => Acks::Rabbit(Vec::new()),
+            Inner::Kafka(p) => Acks::Kafka(p.send(&batch).await),
+            Inner::Rabbit(p) => Acks::Rabbit(p.send(&batch).await),
+        };
         InFlight {
-            pending: slots
-                .into_iter()
-                .map(|s| s.expect("every row has a result"))
-                .collect(),
+            early,
+            sent: to_send,
+            acks,
         }
     }
 
@@ -123,22 +122,41 @@ impl Publisher {
     }
 }
 
-type Pending = futures::future::BoxFuture<'static, Result<(), PublishError>>;
-
-fn ready(result: Result<(), PublishError>) -> Pending {
-    Box::pin(std::future::ready(result))
-}
-
 /// A batch handed to the broker, its acknowledgements still to come.
 pub struct InFlight {
-    pending: Vec<Pending>,
+    /// Results known before sending (too large, destination not prepared).
+    early: Vec<Option<Result<(), PublishError>>>,
+    /// The rows handed to the broker, by index.
+    sent: Vec<usize>,
+    acks: Acks,
+}
+
+enum Acks {
+    Kafka(KafkaInFlight),
+    Rabbit(Vec<rabbitmq::Pending>),
 }
 
 impl InFlight {
-    /// One result per row, in order, once every acknowledgement is in (or
-    /// its deadline passed).
-    pub async fn acks(self) -> Vec<Result<(), PublishError>> {
-        futures::future::join_all(self.pending).await
+    /// One result per row of `rows` (the batch sent), in order, once every
+    /// acknowledgement is in (or its deadline passed).
+    pub async fn acks(self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
+        let mut results = self.early;
+        match self.acks {
+            Acks::Kafka(in_flight) => {
+                for (&i, report) in self.sent.iter().zip(in_flight.reports().await) {
+                    results[i] = Some(report.map_err(|e| classify(&rows[i].destination, e)));
+                }
+            }
+            Acks::Rabbit(pending) => {
+                for (&i, confirm) in self.sent.iter().zip(join_all(pending).await) {
+                    results[i] = Some(confirm);
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every row has a result"))
+            .collect()
     }
 }
 
