@@ -64,7 +64,7 @@ BEGIN
         LIMIT p_limit
     ), batch AS (
         INSERT INTO almanac.outbox_batches (token, sink, ids, claimed_at, lease_until)
-        SELECT p_token, p_sink, array_agg(picked.id), v_now,
+        SELECT p_token, p_sink, array_agg(picked.id ORDER BY picked.id), v_now,
             v_now + p_lease_ms * interval '1 millisecond'
         FROM picked HAVING count(*) > 0
     )

@@ -468,13 +468,6 @@ async fn concurrent_claims_never_share_a_row_under_a_repeatable_read_default(poo
     concurrent_claims_never_share_a_row(repeatable).await;
 }
 
-/// The marks find a batch's rows through the primary key on a large
-/// backlog, as custom and as generic plans. (It caught the retry and failed
-/// marks hashing the whole outbox. The other trap seen, a mark that named
-/// `published_at` and matched `outbox_due_idx`'s predicate, only showed on
-/// the benchmark's larger, freshly churned table; at this size the planner
-/// does not take that index even with the old predicate, so this test does
-/// not guard it.)
 /// A claim that starts after the previous batch skips what lies behind it;
 /// a row that came due there (here: enqueued later with an earlier
 /// `run_at`) is left to the next claim from the start, which finds it.
@@ -523,6 +516,49 @@ async fn a_claim_from_the_start_finds_rows_behind_a_claim_position(pool: PgPool)
     assert_eq!(ids.len(), 1001, "every row claimed once");
 }
 
+/// A batch published whole keeps the ids stored at claim beside the jobs
+/// the mark writes: the record pairs each row with its own job (the job
+/// page reads it so) even when claim order, by due time, is not id order.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_publication_record_pairs_each_row_with_its_job(pool: PgPool) {
+    kafka_backlog(&pool, 0).await;
+    let now = chrono::Utc::now();
+    let jobs: Vec<NewJob> = (0..5)
+        .map(|i| NewJob::new("task").run_at(now - chrono::Duration::minutes(i)))
+        .collect();
+    queue::enqueue_many(&mut pool.acquire().await.unwrap(), &jobs)
+        .await
+        .unwrap();
+    let claimed = outbox::claim(&pool, SinkKind::Kafka, 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows.len(), 5);
+    let mut expected: Vec<(i64, i64)> = claimed.rows.iter().map(|r| (r.id, r.job_id)).collect();
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    let marked = outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+    assert_eq!(marked.published, 5);
+    let mut recorded: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT u.id, u.job_id FROM almanac.outbox_batches AS b, unnest(b.ids, b.job_ids) AS u(id, job_id) WHERE b.token = $1",
+    )
+    .bind(claimed.token)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    expected.sort_unstable();
+    recorded.sort_unstable();
+    assert_eq!(
+        recorded, expected,
+        "the record pairs rows with other rows' jobs"
+    );
+}
+
+/// The marks find a batch's rows through the primary key on a large
+/// backlog, as custom and as generic plans. (It caught the retry and failed
+/// marks hashing the whole outbox. The other trap seen, a mark that named
+/// `published_at` and matched `outbox_due_idx`'s predicate, only showed on
+/// the benchmark's larger, freshly churned table; at this size the planner
+/// does not take that index even with the old predicate, so this test does
+/// not guard it.)
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
     kafka_backlog(&pool, 40).await;

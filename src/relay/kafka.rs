@@ -127,9 +127,13 @@ impl KafkaInFlight {
             let _ = tokio::time::timeout_at(self.deadline, self.batch.done.notified()).await;
         }
         let mut results = self.batch.results.lock().unwrap_or_else(|e| e.into_inner());
+        // Every slot stays filled, so a report that comes later is ignored.
         results
             .iter_mut()
-            .map(|r| r.take().unwrap_or(Err(KafkaError::Canceled)))
+            .map(|r| {
+                r.replace(Err(KafkaError::Canceled))
+                    .unwrap_or(Err(KafkaError::Canceled))
+            })
             .collect()
     }
 }
@@ -175,9 +179,10 @@ impl KafkaPublisher {
 
     /// Hands `rows` (whose destinations are prepared) to the producer
     /// without waiting for the broker. A full local queue waits for room
-    /// (up to `ack_timeout`) instead of failing.
+    /// (up to `ack_timeout` for the whole batch) instead of failing.
     pub async fn send(&mut self, rows: &[&OutboxRow]) -> KafkaInFlight {
         let batch = Deliveries::new(rows.len());
+        let room_by = Instant::now() + self.ack_timeout;
         for (index, row) in rows.iter().enumerate() {
             let mut headers = OwnedHeaders::new_with_capacity(row.header_names.len());
             for (key, value) in row.header_names.iter().zip(&row.header_values) {
@@ -194,7 +199,6 @@ impl KafkaPublisher {
                 .key(&row.msg_key)
                 .payload(row.payload.as_bytes())
                 .headers(headers);
-            let room_by = Instant::now() + self.ack_timeout;
             loop {
                 match self.producer.send(record) {
                     Ok(()) => break,
@@ -245,7 +249,14 @@ impl KafkaPublisher {
         // The old producer stays alive until the next recovery, so a batch
         // still in flight on it settles (published, or "maybe sent").
         match relay_producer(&self.brokers, self.ack_timeout, self.max_message_bytes) {
-            Ok(fresh) => self.retired = Some(std::mem::replace(&mut self.producer, fresh)),
+            Ok(fresh) => {
+                let old = std::mem::replace(&mut self.producer, fresh);
+                if let Some(older) = self.retired.replace(old) {
+                    // Dropping a producer joins its polling thread and
+                    // flushes: not on the async runtime.
+                    tokio::task::spawn_blocking(move || drop(older));
+                }
+            }
             Err(err) => warn!(%err, "recreating the Kafka producer failed; will retry"),
         }
     }
