@@ -17,7 +17,8 @@
 //!   or transaction is held while a broker thinks. Claims and marks commit
 //!   asynchronously ([`outbox`] says why that is safe).
 //!   While one batch is in flight the next is claimed, and the previous one
-//!   is marked.
+//!   is marked. Each claim starts after the previous batch, and from the
+//!   start of the due rows at least once a second (`CLAIM_FROM_START_EVERY`).
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
 //!   are deleted, their batch kept as the record. A `Retriable` failure (broker down, timeout, broken
 //!   link: "maybe sent") keeps the row, with `last_error`, for a later try with
