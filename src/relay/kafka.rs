@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use super::OutboxRow;
-use crate::broker::kafka::{admin, ensure_topic, producer_with};
+use crate::broker::kafka::{admin, classify, ensure_topic, producer_with};
 use crate::broker::{PublishError, SinkConfig, SinkError};
 
 type RelayProducer = ThreadedProducer<Reports>;
@@ -119,9 +119,13 @@ pub struct KafkaInFlight {
 }
 
 impl KafkaInFlight {
-    /// Each message's delivery result, in the order sent, once all are in
-    /// or the deadline passed (a missing report reads as canceled).
-    pub async fn reports(self) -> Vec<Result<(), KafkaError>> {
+    /// Each message's outcome, in the order sent (`topics` names each
+    /// message's topic, for the error), once all reports are in or the
+    /// deadline passed (a missing report reads as canceled: maybe sent).
+    pub async fn results<'a>(
+        self,
+        topics: impl Iterator<Item = &'a str>,
+    ) -> Vec<Result<(), PublishError>> {
         if self.batch.left.load(Ordering::Acquire) > 0 {
             // `notify_one` keeps a permit when it fires first.
             let _ = tokio::time::timeout_at(self.deadline, self.batch.done.notified()).await;
@@ -130,9 +134,11 @@ impl KafkaInFlight {
         // Every slot stays filled, so a report that comes later is ignored.
         results
             .iter_mut()
-            .map(|r| {
+            .zip(topics)
+            .map(|(r, topic)| {
                 r.replace(Err(KafkaError::Canceled))
                     .unwrap_or(Err(KafkaError::Canceled))
+                    .map_err(|e| classify(topic, e))
             })
             .collect()
     }

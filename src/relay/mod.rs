@@ -202,12 +202,11 @@ impl Relay {
     }
 
     /// Claims the next batch, after `after` unless the last claim from the
-    /// start is [`CLAIM_FROM_START_EVERY`] old; the flag says whether it
-    /// claimed from the start.
+    /// start is [`CLAIM_FROM_START_EVERY`] old.
     fn claim(
         &mut self,
         after: Option<outbox::ClaimPosition>,
-    ) -> impl std::future::Future<Output = Result<(Claimed, bool), sqlx::Error>> + 'static {
+    ) -> impl std::future::Future<Output = Result<Claimed, sqlx::Error>> + 'static {
         let now = Instant::now();
         let after = after.filter(|_| now < self.claimed_from_start + CLAIM_FROM_START_EVERY);
         if after.is_none() {
@@ -215,10 +214,7 @@ impl Relay {
         }
         let (pool, sink) = (self.pool.clone(), self.publisher.sink());
         let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
-        async move {
-            let claimed = outbox::claim_after(&pool, sink, limit, lease, after).await?;
-            Ok((claimed, after.is_none()))
-        }
+        async move { outbox::claim_after(&pool, sink, limit, lease, after).await }
     }
 
     /// The outcome of each row of a published batch.
@@ -245,7 +241,7 @@ impl Relay {
 
     /// Claims, publishes and marks one batch (without pipelining).
     pub async fn run_once(&mut self) -> Result<RelayReport, RelayError> {
-        let (claimed, _) = self.claim(None).await?;
+        let claimed = self.claim(None).await?;
         if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
@@ -268,17 +264,17 @@ impl Relay {
         let mut report = RelayReport::default();
         let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
         let mut outstanding: Option<(Claimed, InFlight)> = None;
-        let mut next_claim: Option<JoinHandle<Result<(Claimed, bool), sqlx::Error>>> = None;
+        let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
         let mut claimed = Some(self.claim(None).await?);
         let mut result = Ok(());
         let mut finishing_failed = false;
         loop {
             let mut stop = true;
             let mut sent = None;
-            if let Some((batch, from_start)) = claimed.take() {
+            if let Some(batch) = claimed.take() {
                 let full = batch.rows.len() as i64 >= self.config.batch_size;
                 // The next claim runs while this batch is handed over.
-                if full || !from_start {
+                if full || !batch.from_start {
                     let after = if full { batch.last } else { None };
                     next_claim = Some(tokio::spawn(self.claim(after)));
                     stop = false;
@@ -345,7 +341,7 @@ impl Relay {
             // answering), they come back when their in-flight lease ends.
             let pool = self.pool.clone();
             let hand_back = async move {
-                let (batch, _) = claim
+                let batch = claim
                     .await
                     .map_err(|e| e.to_string())?
                     .map_err(|e| e.to_string())?;

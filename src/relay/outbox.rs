@@ -64,6 +64,8 @@ pub struct Claimed {
     /// Where the batch ends in claim order (due time, then id): a later
     /// claim can start after it ([`claim_after`]). `None` when empty.
     pub last: Option<ClaimPosition>,
+    /// Whether the claim started from the start of the due rows.
+    pub from_start: bool,
 }
 
 /// A place in the order claims take rows in: `available_at`, then id.
@@ -154,7 +156,12 @@ pub async fn claim_after(
         .max();
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
     rows.sort_unstable_by_key(|r| r.id);
-    Ok(Claimed { token, rows, last })
+    Ok(Claimed {
+        token,
+        rows,
+        last,
+        from_start: after.is_none(),
+    })
 }
 
 #[derive(sqlx::FromRow)]
@@ -241,17 +248,14 @@ pub struct Marked {
 pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Marked, sqlx::Error> {
     if outcomes.retry.is_empty() && outcomes.failed.is_empty() {
         let mut conn = pool.acquire().await?;
-        let published = mark_batch(&mut conn, token, &outcomes.published, true, true).await?;
+        let published = mark_batch(&mut conn, token, outcomes).await?;
         return Ok(Marked {
             published: published.unwrap_or(0),
             ..Marked::default()
         });
     }
     let mut tx = pool.begin().await?;
-    let asynchronous = outcomes.failed.is_empty();
-    let Some(published) =
-        mark_batch(&mut tx, token, &outcomes.published, asynchronous, false).await?
-    else {
+    let Some(published) = mark_batch(&mut tx, token, outcomes).await? else {
         return Ok(Marked::default());
     };
     let mut marked = Marked {
@@ -341,17 +345,17 @@ pub const MARK_FAILED_SQL: &str = r#"
 
 /// The batch part of [`mark`], in one statement: takes the batch (its row
 /// lock orders this against claims and `route set`) and deletes the
-/// published rows; `None` when the batch is gone. `asynchronous` sets
-/// `synchronous_commit = off` for the transaction it runs in; `whole_batch`
-/// says `published` is every row claimed.
+/// published rows; `None` when the batch is gone. Sets `synchronous_commit
+/// = off` for the transaction it runs in unless rows failed (their jobs are
+/// buried); keeps the batch's stored ids when every row was published.
 async fn mark_batch(
     conn: &mut PgConnection,
     token: Uuid,
-    published: &[(i64, i64)],
-    asynchronous: bool,
-    whole_batch: bool,
+    outcomes: &Outcomes,
 ) -> Result<Option<u64>, sqlx::Error> {
-    let (ids, jobs): (Vec<i64>, Vec<i64>) = published.iter().copied().unzip();
+    let asynchronous = outcomes.failed.is_empty();
+    let whole_batch = asynchronous && outcomes.retry.is_empty();
+    let (ids, jobs): (Vec<i64>, Vec<i64>) = outcomes.published.iter().copied().unzip();
     let deleted: Option<i64> = sqlx::query_scalar(MARK_BATCH_SQL)
         .bind(token)
         .bind(&ids)

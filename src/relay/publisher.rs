@@ -10,7 +10,6 @@ use futures::future::join_all;
 use super::kafka::{KafkaInFlight, KafkaPublisher};
 use super::rabbitmq::{self, RabbitPublisher};
 use super::OutboxRow;
-use crate::broker::kafka::classify;
 use crate::broker::{Plain, PublishError, SinkConfig, SinkError, SinkKind};
 
 pub struct Publisher {
@@ -90,7 +89,7 @@ impl Publisher {
         }
         let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
         let acks = match &mut self.inner {
-            _ if batch.is_empty() => Acks::Rabbit(Vec::new()),
+            _ if batch.is_empty() => Acks::Nothing,
             Inner::Kafka(p) => Acks::Kafka(p.send(&batch).await),
             Inner::Rabbit(p) => Acks::Rabbit(p.send(&batch).await),
         };
@@ -132,6 +131,8 @@ pub struct InFlight {
 }
 
 enum Acks {
+    /// No row was handed to the broker.
+    Nothing,
     Kafka(KafkaInFlight),
     Rabbit(Vec<rabbitmq::Pending>),
 }
@@ -141,17 +142,16 @@ impl InFlight {
     /// acknowledgement is in (or its deadline passed).
     pub async fn acks(self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
         let mut results = self.early;
-        match self.acks {
+        let acked = match self.acks {
+            Acks::Nothing => Vec::new(),
             Acks::Kafka(in_flight) => {
-                for (&i, report) in self.sent.iter().zip(in_flight.reports().await) {
-                    results[i] = Some(report.map_err(|e| classify(&rows[i].destination, e)));
-                }
+                let topics = self.sent.iter().map(|&i| rows[i].destination.as_str());
+                in_flight.results(topics).await
             }
-            Acks::Rabbit(pending) => {
-                for (&i, confirm) in self.sent.iter().zip(join_all(pending).await) {
-                    results[i] = Some(confirm);
-                }
-            }
+            Acks::Rabbit(pending) => join_all(pending).await,
+        };
+        for (&i, result) in self.sent.iter().zip(acked) {
+            results[i] = Some(result);
         }
         results
             .into_iter()
