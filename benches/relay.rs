@@ -10,7 +10,9 @@ use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
@@ -23,6 +25,17 @@ const BATCH: usize = 500;
 
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
+}
+
+/// The headers the relay sends with the `n`th message of `kind` (what
+/// `almanac.write_outbox` builds), so the raw clients send the same messages.
+fn relay_headers(kind: &'static str, n: usize) -> [(&'static str, String); 4] {
+    [
+        ("almanac-attempt", "1".to_string()),
+        ("almanac-job-id", (n + 1).to_string()),
+        ("almanac-kind", kind.to_string()),
+        ("almanac-logical-run", String::new()),
+    ]
 }
 
 async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
@@ -44,12 +57,24 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
     let start = Instant::now();
     for chunk in 0..MESSAGES / BATCH {
         let sends = (0..BATCH).map(|i| {
-            let key = format!("raw:{}", chunk * BATCH + i);
+            let n = chunk * BATCH + i;
+            // The relay's message: its key, its payload and its headers.
+            let key = format!("kafka:{n}");
+            let mut headers = OwnedHeaders::new_with_capacity(4);
+            for (key, value) in relay_headers("bench_kafka", n) {
+                headers = headers.insert(Header {
+                    key,
+                    value: Some(value.as_str()),
+                });
+            }
             let producer = &producer;
             async move {
                 producer
                     .send(
-                        FutureRecord::to(topic).key(&key).payload(body),
+                        FutureRecord::to(topic)
+                            .key(&key)
+                            .payload(body)
+                            .headers(headers),
                         Timeout::After(Duration::from_secs(10)),
                     )
                     .await
@@ -74,10 +99,20 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
         .await
         .unwrap();
     let start = Instant::now();
-    for _ in 0..MESSAGES / BATCH {
+    for chunk in 0..MESSAGES / BATCH {
         let mut confirms = Vec::new();
-        for _ in 0..BATCH {
-            let props = BasicProperties::default().with_delivery_mode(2);
+        for i in 0..BATCH {
+            // The relay's message: its properties and its headers.
+            let n = chunk * BATCH + i;
+            let mut headers = FieldTable::default();
+            for (key, value) in relay_headers("bench_rabbitmq", n) {
+                headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+            }
+            let props = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into())
+                .with_message_id(format!("rabbitmq:{n}").as_str().into())
+                .with_headers(headers);
             let options = BasicPublishOptions {
                 mandatory: true,
                 ..Default::default()

@@ -288,6 +288,61 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
     );
 }
 
+/// A publication record is found by the span of its jobs (lowest to
+/// highest id), and a job inside the span that the record does not name was
+/// not published by it: its lost message is re-driven.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_job_inside_a_records_span_but_not_named_by_it_is_redriven(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&unique("redrive")),
+    )
+    .await
+    .unwrap();
+    enqueue(&pool, "spanned", 3).await;
+    sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The first and last job were published a moment ago in one batch; the
+    // middle one's row is gone with no publication (a lost message).
+    let published: i64 = sqlx::query_scalar(
+        "WITH o AS (SELECT id, job_id FROM almanac.outbox \
+                    WHERE job_id IN ((SELECT min(id) FROM almanac.jobs), (SELECT max(id) FROM almanac.jobs))), \
+              b AS (INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at) \
+                    SELECT gen_random_uuid(), 'rabbitmq', array_agg(id ORDER BY id), array_agg(job_id ORDER BY id), now(), now() \
+                    FROM o RETURNING 1), \
+              d AS (DELETE FROM almanac.outbox RETURNING 1) \
+         SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM b)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(published, 4, "three rows deleted, one record written");
+    let spans_the_middle: bool = sqlx::query_scalar(
+        "SELECT job_span @> (SELECT min(id) + 1 FROM almanac.jobs) FROM almanac.outbox_batches",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(spans_the_middle);
+    assert_eq!(
+        redrive(&pool, sink, Duration::from_secs(60)).await.unwrap(),
+        1
+    );
+    let redriven: Vec<String> = sqlx::query_scalar(
+        "SELECT j.idempotency_key FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(redriven, ["spanned:1"]);
+}
+
 /// Claims every pending row and marks it published, as a relay does.
 async fn publish_all(pool: &PgPool, sink: SinkKind, limit: i64) -> u64 {
     let claimed = outbox::claim(pool, sink, limit, Duration::from_secs(60))

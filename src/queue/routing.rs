@@ -78,11 +78,16 @@ pub struct RedriveCursor {
 /// (`None` once the candidates ran out). Pending rows addressed elsewhere (a
 /// route since changed) do not count. A publication counts when it went to
 /// the job's current sink: the record of a published batch
-/// (`almanac.outbox_batches`, found through its GIN index on jobs) names
-/// jobs, not each row's destination, so after a change of destination alone
-/// a job published to the old one within `after` waits out `after` from that
-/// publication. A sweep goes on past candidates published recently (waiting
-/// for slow consumers), so a lost message behind them is still found.
+/// (`almanac.outbox_batches`) names jobs, not each row's destination, so
+/// after a change of destination alone a job published to the old one
+/// within `after` waits out `after` from that publication. A sweep goes on
+/// past candidates published recently (waiting for slow consumers), so a
+/// lost message behind them is still found. A step reads every record
+/// published within `after` whose span of job ids (migration
+/// `0016_outbox_batch_job_span.sql`) overlaps its candidates': few when
+/// jobs are published in about the order they were created, more when jobs
+/// delayed by different amounts widen the spans (at worst every record
+/// published within `after`).
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
@@ -105,15 +110,15 @@ pub async fn redrive<'e>(
             ORDER BY j.run_at, j.id
             LIMIT 1000
         ), batches AS MATERIALIZED (
-            -- Batch records naming a candidate, through the GIN index. On
-            -- its own, so no other condition tempts the planner into testing
-            -- `&&` (a nested loop over both arrays) on every recent batch.
-            SELECT b.sink, b.published_at, b.job_ids FROM almanac.outbox_batches b
-            WHERE b.job_ids && ARRAY(SELECT id FROM candidates)
+            -- Recent records of this sink whose span of jobs overlaps the
+            -- candidates' (through the span's GiST index or the index on
+            -- `published_at`); their jobs are read once, hashed below.
+            SELECT b.job_ids FROM almanac.outbox_batches b
+            WHERE b.sink = $1 AND b.published_at > now() - $2 * interval '1 millisecond'
+              AND b.job_span && (SELECT almanac.id_span(array_agg(id)) FROM candidates)
         ), published AS MATERIALIZED (
             SELECT x.id FROM batches b, unnest(b.job_ids) AS x(id)
-            WHERE b.sink = $1 AND b.published_at > now() - $2 * interval '1 millisecond'
-              AND x.id IN (SELECT id FROM candidates)
+            WHERE x.id IN (SELECT id FROM candidates)
         ), redriven AS MATERIALIZED (
             SELECT count(almanac.write_outbox(j)) AS n FROM almanac.jobs j
             WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)

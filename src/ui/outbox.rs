@@ -1,7 +1,7 @@
 //! Read-only views of `almanac.outbox` for the dashboard. The relay owns
 //! every write to the outbox; these only read, each through an index: a
 //! job's rows (`outbox_job_idx`) and the records of its publications
-//! (`outbox_batches_jobs_idx`), the unpublished backlog
+//! (`outbox_batches_job_span_idx`), the unpublished backlog
 //! (`outbox_due_idx`, bounded by what is unpublished) and failed rows
 //! (`outbox_failed_idx`).
 
@@ -37,7 +37,7 @@ pub async fn for_job(conn: &mut PgConnection, job_id: i64) -> Result<Vec<Row>, s
          UNION ALL \
          SELECT x.id, x.job_id, NULL, b.sink, NULL, b.claimed_at, b.published_at, NULL, 0, NULL \
          FROM almanac.outbox_batches b, unnest(b.ids, b.job_ids) AS x(id, job_id) \
-         WHERE b.job_ids @> ARRAY[$1::bigint] AND b.published_at IS NOT NULL \
+         WHERE b.job_span @> $1::bigint AND b.published_at IS NOT NULL \
            AND x.job_id = $1 \
          ORDER BY 1"
     ))
