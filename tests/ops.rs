@@ -457,9 +457,9 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
     // Records of published batches: one from two days ago (three rows),
     // one from an hour ago.
     sqlx::query(
-        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at)
-         VALUES (gen_random_uuid(), 'rabbitmq', '{1,2,3}', '{1,2,3}', now(), now() - interval '2 days'),
-                (gen_random_uuid(), 'rabbitmq', '{4}', '{4}', now(), now() - interval '1 hour')",
+        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, job_span, lease_until, published_at)
+         VALUES (gen_random_uuid(), 'rabbitmq', '{1,2,3}', '{1,2,3}', '[1,3]', now(), now() - interval '2 days'),
+                (gen_random_uuid(), 'rabbitmq', '{4}', '{4}', '[4,4]', now(), now() - interval '1 hour')",
     )
     .execute(&pool)
     .await

@@ -583,12 +583,14 @@ async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
         (
             "batch",
             outbox::MARK_BATCH_SQL,
-            "uuid, bigint[], bigint[], bool, bool",
+            "uuid, bigint[], bigint[], bool, bool, bigint, bigint",
             format!(
-                "'{}', {}, {}, true, true",
+                "'{}', {}, {}, true, true, {}, {}",
                 claimed.token,
                 array(&ids_text),
-                array(&jobs_text)
+                array(&jobs_text),
+                jobs.iter().min().unwrap(),
+                jobs.iter().max().unwrap()
             ),
         ),
         (

@@ -313,8 +313,9 @@ async fn a_job_inside_a_records_span_but_not_named_by_it_is_redriven(pool: PgPoo
     let published: i64 = sqlx::query_scalar(
         "WITH o AS (SELECT id, job_id FROM almanac.outbox \
                     WHERE job_id IN ((SELECT min(id) FROM almanac.jobs), (SELECT max(id) FROM almanac.jobs))), \
-              b AS (INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at) \
-                    SELECT gen_random_uuid(), 'rabbitmq', array_agg(id ORDER BY id), array_agg(job_id ORDER BY id), now(), now() \
+              b AS (INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, job_span, lease_until, published_at) \
+                    SELECT gen_random_uuid(), 'rabbitmq', array_agg(id ORDER BY id), array_agg(job_id ORDER BY id), \
+                           almanac.id_span(array_agg(job_id)), now(), now() \
                     FROM o RETURNING 1), \
               d AS (DELETE FROM almanac.outbox RETURNING 1) \
          SELECT (SELECT count(*) FROM d) + (SELECT count(*) FROM b)",

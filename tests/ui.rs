@@ -370,8 +370,8 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
     // An earlier message of the job was published: its row is gone, and
     // the batch that published it is the record.
     sqlx::query(
-        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, lease_until, published_at) \
-         VALUES (gen_random_uuid(), 'kafka', '{987654}', ARRAY[$1::bigint], now(), now())",
+        "INSERT INTO almanac.outbox_batches (token, sink, ids, job_ids, job_span, lease_until, published_at) \
+         VALUES (gen_random_uuid(), 'kafka', '{987654}', ARRAY[$1::bigint], int8range($1, $1, '[]'), now(), now())",
     )
     .bind(mail)
     .execute(&pool)

@@ -303,13 +303,16 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 
 /// The batch part of a mark: `$1` token, `$2` published ids, `$3` their
 /// jobs, `$4` asynchronous commit, `$5` every claimed row published (the
-/// batch keeps its stored `ids`: not written again).
+/// batch keeps its stored `ids`: not written again), `$6` and `$7` the
+/// lowest and highest job (the record's `job_span`, migration
+/// `0016_outbox_batch_job_span.sql`).
 pub const MARK_BATCH_SQL: &str = r#"
         WITH commit_mode AS (
             SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
         ), published AS (
             UPDATE almanac.outbox_batches
-            SET published_at = now(), ids = CASE WHEN $5 THEN ids ELSE $2 END, job_ids = $3
+            SET published_at = now(), ids = CASE WHEN $5 THEN ids ELSE $2 END, job_ids = $3,
+                job_span = int8range($6, $7, '[]')
             WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) > 0
             RETURNING token
         ), dropped AS (
@@ -362,6 +365,8 @@ async fn mark_batch(
         .bind(&jobs)
         .bind(asynchronous)
         .bind(whole_batch)
+        .bind(jobs.iter().min())
+        .bind(jobs.iter().max())
         .fetch_optional(&mut *conn)
         .await?;
     Ok(deleted.map(|n| n as u64))
