@@ -232,19 +232,34 @@ async fn rows_claimed_ahead_are_handed_back_when_a_drain_stops(pool: PgPool) {
     let _ = conn.close(200, "done").await;
 }
 
-#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
-    let sink = SinkKind::Rabbitmq;
-    let destination = unique("redrive");
+/// Routes kind `task` to `destination` on `sink`, broker only.
+async fn route_tasks_to(pool: &PgPool, sink: SinkKind, destination: &str) {
     routes::set(
         &mut pool.acquire().await.unwrap(),
         "task",
         RouteMode::Broker,
         Some(sink),
-        Some(&destination),
+        Some(destination),
     )
     .await
     .unwrap();
+}
+
+/// The idempotency keys of the jobs with a pending outbox row.
+async fn pending_keys(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT j.idempotency_key FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    let destination = unique("redrive");
+    route_tasks_to(&pool, sink, &destination).await;
     enqueue(&pool, "stranded", 2).await;
     sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
         .execute(&pool)
@@ -294,15 +309,7 @@ async fn a_broker_job_whose_message_was_lost_is_redriven(pool: PgPool) {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_job_inside_a_records_span_but_not_named_by_it_is_redriven(pool: PgPool) {
     let sink = SinkKind::Rabbitmq;
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&unique("redrive")),
-    )
-    .await
-    .unwrap();
+    route_tasks_to(&pool, sink, &unique("redrive")).await;
     enqueue(&pool, "spanned", 3).await;
     sqlx::query("UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'")
         .execute(&pool)
@@ -335,12 +342,7 @@ async fn a_job_inside_a_records_span_but_not_named_by_it_is_redriven(pool: PgPoo
         redrive(&pool, sink, Duration::from_secs(60)).await.unwrap(),
         1
     );
-    let redriven: Vec<String> = sqlx::query_scalar(
-        "SELECT j.idempotency_key FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let redriven = pending_keys(&pool).await;
     assert_eq!(redriven, ["spanned:1"]);
 }
 
@@ -361,15 +363,7 @@ async fn publish_all(pool: &PgPool, sink: SinkKind, limit: i64) -> u64 {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn redrive_finds_a_lost_message_behind_a_thousand_recent_ones(pool: PgPool) {
     let sink = SinkKind::Rabbitmq;
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&unique("redrive")),
-    )
-    .await
-    .unwrap();
+    route_tasks_to(&pool, sink, &unique("redrive")).await;
     enqueue(&pool, "recent", 1000).await;
     assert_eq!(publish_all(&pool, sink, 1000).await, 1000);
     enqueue(&pool, "lost", 1).await;
@@ -394,12 +388,7 @@ async fn redrive_finds_a_lost_message_behind_a_thousand_recent_ones(pool: PgPool
         redrive(&pool, sink, Duration::from_secs(60)).await.unwrap(),
         1
     );
-    let redriven: Vec<String> = sqlx::query_scalar(
-        "SELECT j.idempotency_key FROM almanac.outbox o JOIN almanac.jobs j ON j.id = o.job_id",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let redriven = pending_keys(&pool).await;
     assert_eq!(redriven, ["lost:0"]);
 }
 
