@@ -21,7 +21,24 @@ const MESSAGES: usize = 100_000;
 /// The allocator the `almanac` binary uses (see `src/main.rs`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-const BATCH: usize = 500;
+
+/// The relay's batch (its default, or `ALMANAC_BENCH_BATCH`), and the raw
+/// clients' chunk: both send this many messages, then await their
+/// acknowledgements.
+fn batch() -> usize {
+    static BATCH: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BATCH.get_or_init(|| {
+        let batch = std::env::var("ALMANAC_BENCH_BATCH")
+            .ok()
+            .map(|b| b.parse().expect("ALMANAC_BENCH_BATCH is a number"))
+            .unwrap_or(RelayConfig::default().batch_size as usize);
+        assert!(
+            batch > 0 && MESSAGES % batch == 0,
+            "ALMANAC_BENCH_BATCH must divide {MESSAGES}"
+        );
+        batch
+    })
+}
 
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
@@ -55,9 +72,9 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
         .map_err(|(e, _)| e)
         .unwrap();
     let start = Instant::now();
-    for chunk in 0..MESSAGES / BATCH {
-        let sends = (0..BATCH).map(|i| {
-            let n = chunk * BATCH + i;
+    for chunk in 0..MESSAGES / batch() {
+        let sends = (0..batch()).map(|i| {
+            let n = chunk * batch() + i;
             // The relay's message: its key, its payload and its headers.
             let key = format!("kafka:{n}");
             let mut headers = OwnedHeaders::new_with_capacity(4);
@@ -99,11 +116,11 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
         .await
         .unwrap();
     let start = Instant::now();
-    for chunk in 0..MESSAGES / BATCH {
+    for chunk in 0..MESSAGES / batch() {
         let mut confirms = Vec::new();
-        for i in 0..BATCH {
+        for i in 0..batch() {
             // The relay's message: its properties and its headers.
-            let n = chunk * BATCH + i;
+            let n = chunk * batch() + i;
             let mut headers = FieldTable::default();
             for (key, value) in relay_headers("bench_rabbitmq", n) {
                 headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
@@ -144,7 +161,7 @@ async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Dur
     let mut marking: Option<tokio::task::JoinHandle<Result<u64, sqlx::Error>>> = None;
     let mut after = None;
     while done < MESSAGES {
-        let claimed = outbox::claim_after(pool, sink, BATCH as i64, lease, after).await?;
+        let claimed = outbox::claim_after(pool, sink, batch() as i64, lease, after).await?;
         after = claimed.last;
         anyhow::ensure!(!claimed.rows.is_empty(), "the outbox ran dry at {done}");
         done += claimed.rows.len();
@@ -181,6 +198,112 @@ async fn enqueue(pool: &sqlx::PgPool, kind: &str, tag: &str, n: usize) -> anyhow
 #[path = "common/mod.rs"]
 mod common;
 
+/// Deletes the benchmark's topic or queue and exchange (each run leaves
+/// 200,000 or more messages behind otherwise).
+async fn remove_destination(sinks: &SinkConfig, sink: SinkKind, destination: &str) {
+    let outcome = match sink {
+        SinkKind::Kafka => {
+            let admin = almanac::broker::kafka::admin(sinks.kafka_brokers.as_deref().unwrap())
+                .expect("an admin client");
+            let options = rdkafka::admin::AdminOptions::new()
+                .operation_timeout(Some(rdkafka::util::Timeout::After(Duration::from_secs(10))));
+            match admin.delete_topics(&[destination], &options).await {
+                Ok(results) => results
+                    .into_iter()
+                    .try_for_each(|r| r.map(|_| ()).map_err(|(_, code)| code.to_string())),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+        SinkKind::Rabbitmq => {
+            async {
+                let (conn, channel) = almanac::broker::rabbitmq::connect(
+                    sinks.amqp_url.as_deref().unwrap(),
+                    sinks.ack_timeout,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                channel
+                    .queue_delete(destination, Default::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                channel
+                    .exchange_delete(destination, Default::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let _ = conn.close(200, "done").await;
+                Ok(())
+            }
+            .await
+        }
+    };
+    if let Err(e) = outcome {
+        eprintln!("could not delete {sink} destination {destination}: {e}");
+    }
+}
+
+/// CPU time (user and system) a process has used so far, from
+/// `/proc/PID/stat`; `None` where that cannot be read (not Linux, or the
+/// database on another host).
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces): state is the
+    // first, utime the 12th, stime the 13th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64)
+}
+
+/// CPU time used so far by this process and by the database's backends
+/// serving the scratch database, by backend.
+struct Cpu {
+    bench: Option<f64>,
+    backends: std::collections::HashMap<i32, f64>,
+}
+
+impl Cpu {
+    async fn now(pool: &sqlx::PgPool) -> Cpu {
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        Cpu {
+            bench: cpu_seconds("self"),
+            backends: pids
+                .into_iter()
+                .filter_map(|pid| Some((pid, cpu_seconds(&pid.to_string())?)))
+                .collect(),
+        }
+    }
+
+    /// Microseconds of CPU per message since `before`: (database, this
+    /// process); a backend that started since counts from zero.
+    fn per_message(&self, before: &Cpu, messages: usize) -> (Option<f64>, Option<f64>) {
+        let per = |seconds: f64| seconds * 1e6 / messages as f64;
+        let database: f64 = self
+            .backends
+            .iter()
+            .map(|(pid, now)| now - before.backends.get(pid).unwrap_or(&0.0))
+            .sum();
+        let database = (!self.backends.is_empty()).then(|| per(database));
+        let bench = self
+            .bench
+            .zip(before.bench)
+            .map(|(now, then)| per(now - then));
+        (database, bench)
+    }
+}
+
+fn micros(value: Option<f64>) -> String {
+    value.map_or("?".into(), |v| format!("{v:.1}"))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let scratch = common::Scratch::new("relay").await?;
@@ -198,8 +321,19 @@ async fn main() -> anyhow::Result<()> {
     };
     let body =
         serde_json::to_vec(&serde_json::json!({"order": 12345, "note": "benchmark payload"}))?;
-    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks.
+    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks;
+    // ALMANAC_BENCH_ROUNDS (default 3) how often relay and raw client take
+    // turns.
     let wanted = std::env::var("ALMANAC_BENCH_SINKS").unwrap_or_else(|_| "kafka,rabbitmq".into());
+    let rounds: usize = std::env::var("ALMANAC_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(3);
+    println!(
+        "{MESSAGES} messages a turn, relay batches and raw client chunks of {}",
+        batch()
+    );
     for sink in [SinkKind::Kafka, SinkKind::Rabbitmq] {
         if !wanted.split(',').any(|w| w.trim() == sink.as_str()) {
             continue;
@@ -217,7 +351,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .await?;
         let config = RelayConfig {
-            batch_size: BATCH as i64,
+            batch_size: batch() as i64,
             ..RelayConfig::default()
         };
         let mut relay = Relay::new(pool.clone(), publisher, config);
@@ -225,33 +359,53 @@ async fn main() -> anyhow::Result<()> {
         // prepare the statements.
         enqueue(&pool, &kind, &format!("{sink}-warm-up"), 1).await?;
         while relay.drain().await?.published == 0 {}
-        enqueue(&pool, &kind, sink.as_str(), MESSAGES).await?;
-        let start = Instant::now();
-        let mut published = 0;
-        while published < MESSAGES as u64 {
-            let r = relay.drain().await?;
-            assert_eq!(
-                (r.retried, r.failed),
-                (0, 0),
-                "publishing failed during the benchmark"
+        // Relay and raw client take turns, so a broker or machine that
+        // slows down over the run weighs on both.
+        let mut ratios = Vec::new();
+        for round in 1..=rounds {
+            enqueue(&pool, &kind, &format!("{sink}-{round}"), MESSAGES).await?;
+            let cpu = Cpu::now(&pool).await;
+            let start = Instant::now();
+            let mut published = 0;
+            while published < MESSAGES as u64 {
+                let r = relay.drain().await?;
+                assert_eq!(
+                    (r.retried, r.failed),
+                    (0, 0),
+                    "publishing failed during the benchmark"
+                );
+                published += r.published;
+            }
+            let relayed = start.elapsed();
+            let (relay_db, relay_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
+            let cpu = Cpu::now(&pool).await;
+            let raw = match sink {
+                SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
+                SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
+            };
+            let (_, raw_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
+            let ratio = rate(MESSAGES, relayed) / rate(MESSAGES, raw);
+            ratios.push(ratio);
+            println!(
+                "{sink:<9} turn {round}: relay {:>7.0} msg/s ({:.2}s)   raw client {:>7.0} msg/s   relay/raw {ratio:.2}   CPU µs/msg: relay {} + database {}, raw client {}",
+                rate(MESSAGES, relayed),
+                relayed.as_secs_f64(),
+                rate(MESSAGES, raw),
+                micros(relay_own),
+                micros(relay_db),
+                micros(raw_own),
             );
-            published += r.published;
         }
-        let relayed = start.elapsed();
-        let raw = match sink {
-            SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
-            SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
-        };
         enqueue(&pool, &kind, &format!("{sink}-alone"), MESSAGES).await?;
         let alone = outbox_alone(&pool, sink).await?;
+        let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = ratios.iter().copied().fold(0.0, f64::max);
         println!(
-            "{sink:<9} relay {:>7.0} msg/s ({MESSAGES} in {:.2}s)   raw client {:>7.0} msg/s   relay/raw {:.2}   outbox statements alone {:>7.0} rows/s",
-            rate(MESSAGES, relayed),
-            relayed.as_secs_f64(),
-            rate(MESSAGES, raw),
-            rate(MESSAGES, relayed) / rate(MESSAGES, raw),
+            "{sink:<9} relay/raw median {:.2} (lowest {low:.2}, highest {high:.2}, {rounds} turns)   outbox statements alone {:>7.0} rows/s",
+            median(ratios),
             rate(MESSAGES, alone),
         );
+        remove_destination(&sinks, sink, &destination).await;
     }
     scratch.drop().await?;
     Ok(())

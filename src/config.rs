@@ -59,6 +59,7 @@ pub struct RelaySection {
     pub max_publish_attempts: Option<i32>,
     pub in_flight_lease: Option<HumanDuration>,
     pub reconcile_interval: Option<HumanDuration>,
+    pub batch_size: Option<i64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -556,7 +556,7 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
         cmd.arg("--schedules").arg(dir.join("none"));
         output(cmd)
     };
-    let cases: [(&[&str], Option<&str>, &str); 10] = [
+    let cases: [(&[&str], Option<&str>, &str); 12] = [
         (
             &["--http-addr", "nowhere"],
             None,
@@ -631,6 +631,28 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
             ],
             Some("[relay]\nredrive_after = \"0s\"\n"),
             "--redrive-after ([relay] redrive_after) must be longer than 0s",
+        ),
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--kafka-brokers",
+                "127.0.0.1:9092",
+                "--relay-batch-size",
+                "0",
+            ],
+            None,
+            "--relay-batch-size ([relay] batch_size) is 0; it must be between 1 and 10000",
+        ),
+        (
+            &[
+                "--http-addr",
+                "127.0.0.1:0",
+                "--kafka-brokers",
+                "127.0.0.1:9092",
+            ],
+            Some("[relay]\nbatch_size = 20000\n"),
+            "--relay-batch-size ([relay] batch_size) is 20000; it must be between 1 and 10000",
         ),
     ];
     for (args, config, expected) in cases {

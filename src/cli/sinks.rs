@@ -68,6 +68,9 @@ impl SinkFlags {
 /// The relay's settings in `almanac run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RelayFlags {
+    /// Outbox rows a relay claims and publishes at a time, 1 to 10000 [default: 500].
+    #[arg(long, env = "ALMANAC_RELAY_BATCH_SIZE")]
+    pub relay_batch_size: Option<i64>,
     /// Tries after which an outbox row the broker cannot route is marked failed and its job dead [default: 10].
     #[arg(long, env = "ALMANAC_MAX_PUBLISH_ATTEMPTS")]
     pub max_publish_attempts: Option<i32>,
@@ -89,6 +92,10 @@ impl RelayFlags {
         let file = &ctx.config.relay;
         let d = RelayConfig::default();
         let config = RelayConfig {
+            batch_size: self
+                .relay_batch_size
+                .or(file.batch_size)
+                .unwrap_or(d.batch_size),
             max_publish_attempts: self
                 .max_publish_attempts
                 .or(file.max_publish_attempts)

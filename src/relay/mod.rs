@@ -112,11 +112,15 @@ impl Default for RelayConfig {
     }
 }
 
+/// The largest batch a relay claims: a batch's ids are one array in one row
+/// of `almanac.outbox_batches`, and its messages are in memory at once.
+pub const MAX_BATCH_SIZE: i64 = 10_000;
+
 impl RelayConfig {
     pub fn validate(&self) -> Result<(), String> {
-        if self.batch_size < 1 {
+        if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
             return Err(format!(
-                "relay batch size is {}; it must be at least 1",
+                "--relay-batch-size ([relay] batch_size) is {}; it must be between 1 and {MAX_BATCH_SIZE}",
                 self.batch_size
             ));
         }
@@ -272,7 +276,7 @@ impl Relay {
             let mut stop = true;
             let mut sent = None;
             if let Some(batch) = claimed.take() {
-                let full = batch.rows.len() as i64 >= self.config.batch_size;
+                let full = batch.rows.len() as i64 >= self.config.batch_size || batch.cut_short;
                 // The next claim runs while this batch is handed over.
                 if full || !batch.from_start {
                     let after = if full { batch.last } else { None };

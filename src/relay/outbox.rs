@@ -66,6 +66,9 @@ pub struct Claimed {
     pub last: Option<ClaimPosition>,
     /// Whether the claim started from the start of the due rows.
     pub from_start: bool,
+    /// Whether the claim stopped short of its limit with more rows due,
+    /// because their payloads would have passed 64 MB (0017 says why).
+    pub cut_short: bool,
 }
 
 /// A place in the order claims take rows in: `available_at`, then id.
@@ -89,8 +92,9 @@ fn claim_lock(sink: SinkKind) -> i32 {
 }
 
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
-/// transaction, `almanac.claim_outbox` in migrations `0014_outbox_batches.sql`
-/// and `0015_outbox_claim_position.sql`): a row in `almanac.outbox_batches`
+/// transaction, `almanac.claim_outbox_batch`: migrations
+/// `0014_outbox_batches.sql`, `0015_outbox_claim_position.sql` and
+/// `0017_outbox_claim_arrays.sql`): a row in `almanac.outbox_batches`
 /// with a fresh token, the rows' ids and an in-flight lease of `lease` (the
 /// rows come due again when it ends). The outbox rows themselves are not
 /// written (0014 says why). Rows named by another batch in flight are
@@ -122,8 +126,8 @@ pub async fn claim_after(
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
     let query = || {
-        sqlx::query_as::<_, RawRow>(
-            "SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6, $7, $8)",
+        sqlx::query_as::<_, RawBatch>(
+            "SELECT * FROM almanac.claim_outbox_batch($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(sink.as_str())
         .bind(CLAIM_LOCK)
@@ -134,72 +138,137 @@ pub async fn claim_after(
         .bind(after.map(|p| p.available_at))
         .bind(after.map(|p| p.id))
     };
-    let raw = match query().fetch_all(pool).await {
+    let raw = match query().fetch_one(pool).await {
         // The session's default isolation is above READ COMMITTED (the
         // function refuses: its snapshot would predate the lock).
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("ALM01") => {
             let mut tx = pool
                 .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
                 .await?;
-            let raw = query().fetch_all(&mut *tx).await?;
+            let raw = query().fetch_one(&mut *tx).await?;
             tx.commit().await?;
             raw
         }
         other => other?,
     };
-    let last = raw
-        .iter()
-        .map(|r| ClaimPosition {
-            available_at: r.available_at,
-            id: r.id,
-        })
-        .max();
-    let mut rows: Vec<OutboxRow> = raw.into_iter().map(OutboxRow::from).collect();
+    let cut_short = raw.8.unwrap_or(false);
+    let (mut rows, last) = batch_rows(raw)?;
     rows.sort_unstable_by_key(|r| r.id);
     Ok(Claimed {
         token,
         rows,
         last,
         from_start: after.is_none(),
+        cut_short,
     })
 }
 
-#[derive(sqlx::FromRow)]
-struct RawRow {
-    id: i64,
-    job_id: i64,
-    destination: String,
-    msg_key: String,
-    payload: String,
-    headers: String,
-    attempts: i32,
-    available_at: DateTime<Utc>,
+/// A claimed batch as `almanac.claim_outbox_batch` returns it (migration
+/// `0017_outbox_claim_arrays.sql`): each column of the claimed rows as an
+/// array, in claim order, all NULL when nothing was claimed, then whether
+/// the batch was cut short by its size. (Decoding a
+/// row per message through sqlx's row stream was about a third of the
+/// relay process's own CPU.)
+type RawBatch = (
+    Option<Vec<i64>>,
+    Option<Vec<i64>>,
+    Option<Vec<String>>,
+    Option<Vec<String>>,
+    Option<Vec<String>>,
+    Option<Vec<String>>,
+    Option<Vec<i32>>,
+    Option<Vec<DateTime<Utc>>>,
+    Option<bool>,
+);
+
+/// The rows of a claimed batch, and where it ends in claim order; an error
+/// when the arrays do not have one entry per row each.
+fn batch_rows(raw: RawBatch) -> Result<(Vec<OutboxRow>, Option<ClaimPosition>), sqlx::Error> {
+    let (ids, jobs, destinations, keys, payloads, headers, attempts, due, _) = raw;
+    let ids = ids.unwrap_or_default();
+    let lengths = [
+        jobs.as_ref().map_or(0, Vec::len),
+        destinations.as_ref().map_or(0, Vec::len),
+        keys.as_ref().map_or(0, Vec::len),
+        payloads.as_ref().map_or(0, Vec::len),
+        headers.as_ref().map_or(0, Vec::len),
+        attempts.as_ref().map_or(0, Vec::len),
+        due.as_ref().map_or(0, Vec::len),
+    ];
+    if lengths.iter().any(|&n| n != ids.len()) {
+        return Err(sqlx::Error::Protocol(format!(
+            "almanac.claim_outbox_batch returned {} ids but columns of {lengths:?} entries",
+            ids.len()
+        )));
+    }
+    let last = ids
+        .iter()
+        .zip(due.iter().flatten())
+        .map(|(&id, &available_at)| ClaimPosition { available_at, id })
+        .max();
+    let rows = ids
+        .into_iter()
+        .zip(jobs.unwrap_or_default())
+        .zip(destinations.unwrap_or_default())
+        .zip(keys.unwrap_or_default())
+        .zip(payloads.unwrap_or_default())
+        .zip(headers.unwrap_or_default())
+        .zip(attempts.unwrap_or_default())
+        .map(
+            |((((((id, job_id), destination), msg_key), payload), headers), attempts)| {
+                let (header_names, header_values) = parse_headers(&headers).into_iter().unzip();
+                OutboxRow {
+                    id,
+                    job_id,
+                    destination,
+                    msg_key,
+                    payload,
+                    header_names,
+                    header_values,
+                    attempts,
+                }
+            },
+        )
+        .collect();
+    Ok((rows, last))
 }
 
-impl From<RawRow> for OutboxRow {
-    fn from(raw: RawRow) -> Self {
-        // Header values are strings (write_outbox builds them); anything
-        // else is sent as its JSON text.
-        let map: std::collections::BTreeMap<String, serde_json::Value> =
-            serde_json::from_str(&raw.headers).unwrap_or_default();
-        let (header_names, header_values) = map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .unzip();
-        OutboxRow {
-            id: raw.id,
-            job_id: raw.job_id,
-            destination: raw.destination,
-            msg_key: raw.msg_key,
-            payload: raw.payload,
-            header_names,
-            header_values,
-            attempts: raw.attempts,
+/// A row's headers (a JSON object; `write_outbox` builds it), as name/value
+/// pairs in name order. Values are strings; anything else is sent as its
+/// JSON text. Text that is not an object gives no headers.
+fn parse_headers(json: &str) -> Vec<(String, String)> {
+    struct Pairs(Vec<(String, String)>);
+    impl<'de> serde::Deserialize<'de> for Pairs {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visitor;
+            impl<'de> serde::de::Visitor<'de> for Visitor {
+                type Value = Pairs;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Pairs, A::Error> {
+                    let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(4));
+                    while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
+                        let value = match value {
+                            serde_json::Value::String(s) => s,
+                            other => other.to_string(),
+                        };
+                        pairs.push((name, value));
+                    }
+                    Ok(Pairs(pairs))
+                }
+            }
+            d.deserialize_map(Visitor)
         }
     }
+    let mut pairs = serde_json::from_str::<Pairs>(json)
+        .map(|p| p.0)
+        .unwrap_or_default();
+    pairs.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    pairs
 }
 
 /// A claimed batch's outcome, row by row.
@@ -572,4 +641,52 @@ pub async fn delete_published<'e>(
     .execute(db)
     .await?;
     Ok(batches.unwrap_or(0) as u64 + legacy.rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_headers;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn headers_come_in_name_order_with_values_as_sent() {
+        // PostgreSQL prints jsonb keys shortest first, not in name order.
+        let json = r#"{"almanac-kind": "send_email", "almanac-job-id": "7", "almanac-attempt": "1", "almanac-logical-run": ""}"#;
+        assert_eq!(
+            parse_headers(json),
+            pairs(&[
+                ("almanac-attempt", "1"),
+                ("almanac-job-id", "7"),
+                ("almanac-kind", "send_email"),
+                ("almanac-logical-run", ""),
+            ])
+        );
+    }
+
+    #[test]
+    fn header_values_that_are_not_strings_are_sent_as_their_json_text() {
+        let json = r#"{"n": 3, "flag": true, "none": null, "list": [1, "a"], "s": "x\"y"}"#;
+        assert_eq!(
+            parse_headers(json),
+            pairs(&[
+                ("flag", "true"),
+                ("list", r#"[1,"a"]"#),
+                ("n", "3"),
+                ("none", "null"),
+                ("s", "x\"y"),
+            ])
+        );
+    }
+
+    #[test]
+    fn headers_that_are_not_an_object_give_none() {
+        assert!(parse_headers("[]").is_empty());
+        assert!(parse_headers("not json").is_empty());
+        assert!(parse_headers("{}").is_empty());
+    }
 }
