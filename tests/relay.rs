@@ -516,14 +516,11 @@ async fn a_claim_from_the_start_finds_rows_behind_a_claim_position(pool: PgPool)
     assert_eq!(ids.len(), 1001, "every row claimed once");
 }
 
-/// A claim comes back as one row of arrays (migration 0017): each row it
-/// rebuilds carries its own key, payload, headers and attempt, also when
-/// claim order (by due time) is not id order; the previous release's
-/// `claim_outbox` (kept for relays during an upgrade) returns the same
-/// rows, one per message, and records its batch, so a claim after it skips
-/// them.
+/// Each claimed row, decoded by position, carries its own key, payload,
+/// headers and attempt, also when claim order (by due time) is not id
+/// order; the rows come back in id order.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn claimed_rows_carry_their_own_columns_in_both_claim_functions(pool: PgPool) {
+async fn claimed_rows_carry_their_own_columns(pool: PgPool) {
     kafka_backlog(&pool, 0).await;
     let now = chrono::Utc::now();
     let jobs: Vec<NewJob> = (0..6)
@@ -549,36 +546,12 @@ async fn claimed_rows_carry_their_own_columns_in_both_claim_functions(pool: PgPo
         .map(|(id, job, key, payload, header)| (id, (job, key, payload, header)))
         .collect();
     assert_eq!(stored.len(), 6);
-    // The old function, as a relay of the previous release calls it.
-    let old: Vec<(i64, i64, String, String, String, String, i32)> = sqlx::query_as(
-        "SELECT id, job_id, destination, msg_key, payload, headers, attempts
-         FROM almanac.claim_outbox('kafka', 1, 99, 3, gen_random_uuid(), 60000, NULL, NULL)",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(old.len(), 3);
-    for (id, job, destination, key, payload, headers, attempts) in &old {
-        let (s_job, s_key, s_payload, s_header) = &stored[id];
-        assert_eq!(
-            (job, key, destination.as_str(), *attempts),
-            (s_job, s_key, "backlog", 1)
-        );
-        let payload: serde_json::Value = serde_json::from_str(payload).unwrap();
-        assert_eq!(&payload, s_payload, "row {id}");
-        let headers: serde_json::Value = serde_json::from_str(headers).unwrap();
-        assert_eq!(headers["almanac-job-id"].as_str(), Some(s_header.as_str()));
-    }
     let claimed = outbox::claim(&pool, SinkKind::Kafka, 10, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(claimed.rows.len(), 3, "the old claim's rows stay in flight");
+    assert_eq!(claimed.rows.len(), 6);
     for row in &claimed.rows {
-        assert!(
-            old.iter().all(|o| o.0 != row.id),
-            "row {} claimed twice",
-            row.id
-        );
+        assert_eq!(row.destination, "backlog");
         let (s_job, s_key, s_payload, s_header) = &stored[&row.id];
         assert_eq!((&row.job_id, &row.msg_key, row.attempts), (s_job, s_key, 1));
         let payload: serde_json::Value = serde_json::from_str(&row.payload).unwrap();
@@ -598,46 +571,6 @@ async fn claimed_rows_carry_their_own_columns_in_both_claim_functions(pool: PgPo
         .await
         .unwrap();
     assert!(empty.rows.is_empty() && empty.last.is_none());
-}
-
-/// A claim stops before its payloads pass 64 MB (one row of arrays is one
-/// value, which PostgreSQL caps at 1 GB), says it was cut short, and the
-/// claims after it take the rest: every row once.
-#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn a_claim_stops_before_its_payloads_pass_64_mb(pool: PgPool) {
-    kafka_backlog(&pool, 0).await;
-    let big = "x".repeat(1024 * 1024);
-    let jobs: Vec<NewJob> = (0..70)
-        .map(|i| NewJob::new("task").payload(serde_json::json!({ "i": i, "big": big })))
-        .collect();
-    for chunk in jobs.chunks(10) {
-        queue::enqueue_many(&mut pool.acquire().await.unwrap(), chunk)
-            .await
-            .unwrap();
-    }
-    let mut seen = std::collections::HashSet::new();
-    let mut after = None;
-    let mut sizes = Vec::new();
-    loop {
-        let claimed =
-            outbox::claim_after(&pool, SinkKind::Kafka, 500, Duration::from_secs(60), after)
-                .await
-                .unwrap();
-        if claimed.rows.is_empty() {
-            assert!(!claimed.cut_short);
-            break;
-        }
-        let bytes: usize = claimed.rows.iter().map(|r| r.payload.len()).sum();
-        assert!(bytes <= 64 * 1024 * 1024, "a batch of {bytes} bytes");
-        for row in &claimed.rows {
-            assert!(seen.insert(row.id), "row {} claimed twice", row.id);
-        }
-        sizes.push((claimed.rows.len(), claimed.cut_short));
-        after = claimed.last;
-    }
-    assert_eq!(seen.len(), 70, "every row claimed: {sizes:?}");
-    assert_eq!(sizes[0], (63, true), "{sizes:?}");
-    assert_eq!(sizes[1], (7, false), "{sizes:?}");
 }
 
 /// A batch published whole keeps the ids stored at claim beside the jobs

@@ -276,7 +276,7 @@ impl Relay {
             let mut stop = true;
             let mut sent = None;
             if let Some(batch) = claimed.take() {
-                let full = batch.rows.len() as i64 >= self.config.batch_size || batch.cut_short;
+                let full = batch.rows.len() as i64 >= self.config.batch_size;
                 // The next claim runs while this batch is handed over.
                 if full || !batch.from_start {
                     let after = if full { batch.last } else { None };
