@@ -28,16 +28,40 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn batch() -> usize {
     static BATCH: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BATCH.get_or_init(|| {
-        let batch = std::env::var("ALMANAC_BENCH_BATCH")
-            .ok()
-            .map(|b| b.parse().expect("ALMANAC_BENCH_BATCH is a number"))
-            .unwrap_or(RelayConfig::default().batch_size as usize);
+        let batch = env_number(
+            "ALMANAC_BENCH_BATCH",
+            RelayConfig::default().batch_size as usize,
+        );
         assert!(
-            batch > 0 && MESSAGES % batch == 0,
+            MESSAGES % batch == 0,
             "ALMANAC_BENCH_BATCH must divide {MESSAGES}"
         );
         batch
     })
+}
+
+/// A positive number from the environment variable `name`, else `default`.
+fn env_number(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(text) => match text.parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("{name} must be a positive number, not {text:?}"),
+        },
+        Err(_) => default,
+    }
+}
+
+/// Runs `send` (a raw client's timed part) and returns how long it took
+/// and the CPU time this process spent meanwhile.
+async fn timed<F: std::future::Future<Output = ()>>(send: F) -> (Duration, Option<f64>) {
+    let cpu = cpu_seconds("self");
+    let start = Instant::now();
+    send.await;
+    let elapsed = start.elapsed();
+    (
+        elapsed,
+        cpu_seconds("self").zip(cpu).map(|(now, then)| now - then),
+    )
 }
 
 fn rate(n: usize, d: Duration) -> f64 {
@@ -55,7 +79,8 @@ fn relay_headers(kind: &'static str, n: usize) -> [(&'static str, String); 4] {
     ]
 }
 
-async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
+/// The raw Kafka producer's time and CPU for `MESSAGES` (after a warm-up).
+async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> (Duration, Option<f64>) {
     let producer = almanac::broker::kafka::producer(
         sinks.kafka_brokers.as_deref().unwrap(),
         sinks.ack_timeout,
@@ -71,42 +96,44 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> Duration {
         .await
         .map_err(|(e, _)| e)
         .unwrap();
-    let start = Instant::now();
-    for chunk in 0..MESSAGES / batch() {
-        let sends = (0..batch()).map(|i| {
-            let n = chunk * batch() + i;
-            // The relay's message: its key, its payload and its headers.
-            let key = format!("kafka:{n}");
-            let mut headers = OwnedHeaders::new_with_capacity(4);
-            for (key, value) in relay_headers("bench_kafka", n) {
-                headers = headers.insert(Header {
-                    key,
-                    value: Some(value.as_str()),
-                });
+    timed(async {
+        for chunk in 0..MESSAGES / batch() {
+            let sends = (0..batch()).map(|i| {
+                let n = chunk * batch() + i;
+                // The relay's message: its key, its payload and its headers.
+                let key = format!("kafka:{n}");
+                let mut headers = OwnedHeaders::new_with_capacity(4);
+                for (key, value) in relay_headers("bench_kafka", n) {
+                    headers = headers.insert(Header {
+                        key,
+                        value: Some(value.as_str()),
+                    });
+                }
+                let producer = &producer;
+                async move {
+                    producer
+                        .send(
+                            FutureRecord::to(topic)
+                                .key(&key)
+                                .payload(body)
+                                .headers(headers),
+                            Timeout::After(Duration::from_secs(10)),
+                        )
+                        .await
+                        .map(|_| ())
+                        .map_err(|(e, _)| e)
+                }
+            });
+            for r in futures::future::join_all(sends).await {
+                r.unwrap();
             }
-            let producer = &producer;
-            async move {
-                producer
-                    .send(
-                        FutureRecord::to(topic)
-                            .key(&key)
-                            .payload(body)
-                            .headers(headers),
-                        Timeout::After(Duration::from_secs(10)),
-                    )
-                    .await
-                    .map(|_| ())
-                    .map_err(|(e, _)| e)
-            }
-        });
-        for r in futures::future::join_all(sends).await {
-            r.unwrap();
         }
-    }
-    start.elapsed()
+    })
+    .await
 }
 
-async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
+/// The raw RabbitMQ publisher's time and CPU for `MESSAGES` (after connecting).
+async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> (Duration, Option<f64>) {
     let (conn, channel) =
         almanac::broker::rabbitmq::connect(sinks.amqp_url.as_deref().unwrap(), sinks.ack_timeout)
             .await
@@ -115,39 +142,40 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> Duration {
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let start = Instant::now();
-    for chunk in 0..MESSAGES / batch() {
-        let mut confirms = Vec::new();
-        for i in 0..batch() {
-            // The relay's message: its properties and its headers.
-            let n = chunk * batch() + i;
-            let mut headers = FieldTable::default();
-            for (key, value) in relay_headers("bench_rabbitmq", n) {
-                headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+    let sent = timed(async {
+        for chunk in 0..MESSAGES / batch() {
+            let mut confirms = Vec::new();
+            for i in 0..batch() {
+                // The relay's message: its properties and its headers.
+                let n = chunk * batch() + i;
+                let mut headers = FieldTable::default();
+                for (key, value) in relay_headers("bench_rabbitmq", n) {
+                    headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+                }
+                let props = BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_content_type("application/json".into())
+                    .with_message_id(format!("rabbitmq:{n}").as_str().into())
+                    .with_headers(headers);
+                let options = BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                };
+                confirms.push(
+                    channel
+                        .basic_publish(queue, queue, options, body, props)
+                        .await
+                        .unwrap(),
+                );
             }
-            let props = BasicProperties::default()
-                .with_delivery_mode(2)
-                .with_content_type("application/json".into())
-                .with_message_id(format!("rabbitmq:{n}").as_str().into())
-                .with_headers(headers);
-            let options = BasicPublishOptions {
-                mandatory: true,
-                ..Default::default()
-            };
-            confirms.push(
-                channel
-                    .basic_publish(queue, queue, options, body, props)
-                    .await
-                    .unwrap(),
-            );
+            for c in confirms {
+                c.await.unwrap();
+            }
         }
-        for c in confirms {
-            c.await.unwrap();
-        }
-    }
-    let elapsed = start.elapsed();
+    })
+    .await;
     let _ = conn.close(200, "done").await;
-    elapsed
+    sent
 }
 
 /// The relay's own statements with no broker: claim a batch (after the
@@ -325,11 +353,7 @@ async fn main() -> anyhow::Result<()> {
     // ALMANAC_BENCH_ROUNDS (default 3) how often relay and raw client take
     // turns.
     let wanted = std::env::var("ALMANAC_BENCH_SINKS").unwrap_or_else(|_| "kafka,rabbitmq".into());
-    let rounds: usize = std::env::var("ALMANAC_BENCH_ROUNDS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .filter(|&r| r > 0)
-        .unwrap_or(3);
+    let rounds = env_number("ALMANAC_BENCH_ROUNDS", 3);
     println!(
         "{MESSAGES} messages a turn, relay batches and raw client chunks of {}",
         batch()
@@ -378,12 +402,11 @@ async fn main() -> anyhow::Result<()> {
             }
             let relayed = start.elapsed();
             let (relay_db, relay_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
-            let cpu = Cpu::now(&pool).await;
-            let raw = match sink {
+            let (raw, raw_cpu) = match sink {
                 SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
                 SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
             };
-            let (_, raw_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
+            let raw_own = raw_cpu.map(|seconds| seconds * 1e6 / MESSAGES as f64);
             let ratio = rate(MESSAGES, relayed) / rate(MESSAGES, raw);
             ratios.push(ratio);
             println!(

@@ -131,3 +131,36 @@ impl RelayFlags {
         Ok(config)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(batch: Option<i64>) -> RelayFlags {
+        RelayFlags {
+            relay_batch_size: batch,
+            max_publish_attempts: None,
+            in_flight_lease: None,
+            reconcile_interval: None,
+            redrive_after: None,
+        }
+    }
+
+    fn ctx(file_batch: Option<i64>) -> Ctx {
+        let mut config = crate::config::Config::default();
+        config.relay.batch_size = file_batch;
+        Ctx {
+            config,
+            database_url: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_relay_batch_size_is_the_flag_then_the_file_then_500() {
+        let sinks = SinkConfig::default();
+        let batch = |flag, file| flags(flag).resolve(&ctx(file), &sinks).unwrap().batch_size;
+        assert_eq!(batch(Some(40), Some(70)), 40);
+        assert_eq!(batch(None, Some(70)), 70);
+        assert_eq!(batch(None, None), 500);
+    }
+}

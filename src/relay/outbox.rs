@@ -189,38 +189,14 @@ fn outbox_row(raw: RawRow) -> OutboxRow {
 /// pairs in name order. Values are strings; anything else is sent as its
 /// JSON text. Text that is not an object gives no headers.
 fn parse_headers(json: &str) -> Vec<(String, String)> {
-    struct Pairs(Vec<(String, String)>);
-    impl<'de> serde::Deserialize<'de> for Pairs {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct Visitor;
-            impl<'de> serde::de::Visitor<'de> for Visitor {
-                type Value = Pairs;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("a JSON object")
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(
-                    self,
-                    mut map: A,
-                ) -> Result<Pairs, A::Error> {
-                    let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(4));
-                    while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
-                        let value = match value {
-                            serde_json::Value::String(s) => s,
-                            other => other.to_string(),
-                        };
-                        pairs.push((name, value));
-                    }
-                    Ok(Pairs(pairs))
-                }
-            }
-            d.deserialize_map(Visitor)
-        }
-    }
-    let mut pairs = serde_json::from_str::<Pairs>(json)
-        .map(|p| p.0)
-        .unwrap_or_default();
-    pairs.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    pairs
+    let map: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(json).unwrap_or_default();
+    map.into_iter()
+        .map(|(name, value)| match value {
+            serde_json::Value::String(s) => (name, s),
+            other => (name, other.to_string()),
+        })
+        .collect()
 }
 
 /// A claimed batch's outcome, row by row.
