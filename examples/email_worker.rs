@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
+use almanac::role::Role;
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;

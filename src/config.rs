@@ -23,7 +23,7 @@ pub struct Config {
     pub database_url: Option<String>,
     pub log_format: Option<LogFormat>,
     /// Roles `almanac run` runs; default: all that apply.
-    pub roles: Option<Vec<String>>,
+    pub roles: Option<Vec<crate::role::RoleName>>,
     pub schedules_dir: Option<PathBuf>,
     /// HTTP endpoint (`/healthz`, `/readyz`, `/metrics`): HOST:PORT or `off`.
     pub http_addr: Option<crate::http::HttpAddr>,

@@ -259,20 +259,14 @@ async fn readyz(State(state): State<AppState>) -> Response {
 /// `Ok` when the database answers and has every embedded migration; else a
 /// one-line reason a person can act on (never a URL or password).
 async fn ready(probe: &PgPool) -> Result<(), String> {
-    let pending = crate::db::pending_migrations(probe).await.map_err(|err| {
+    let state = crate::db::schema::state(probe).await.map_err(|err| {
         let first = err.to_string();
         format!(
             "the database does not answer: {}",
             first.lines().next().unwrap_or("")
         )
     })?;
-    match pending {
-        0 => Ok(()),
-        n => Err(format!(
-            "the database lacks {n} almanac migration{}; run `almanac migrate`",
-            if n == 1 { "" } else { "s" }
-        )),
-    }
+    state.problem().map_or(Ok(()), Err)
 }
 
 async fn metrics() -> impl IntoResponse {

@@ -3,8 +3,9 @@
 //! The crate is laid out by role; each module's doc states the guarantee it
 //! gives and where that guarantee stops.
 //!
-//! - [`db`]: connecting (creating the database when missing) and migrations;
-//!   errors name the target, never the password.
+//! - [`db`]: connecting (creating the database when missing), migrations and
+//!   the schema's state ([`db::schema`]); errors name the target, never the
+//!   password.
 //! - [`queue`]: the job table's state machine and its lease fence: enqueue,
 //!   claim, complete, fail, heartbeat, and the operator actions (retry, cancel,
 //!   list, stats). Every change of a job's status goes through here.
@@ -27,6 +28,8 @@
 //!   publish error, shared by the relay and the consumers.
 //! - [`redact`]: the one place connection URLs lose their passwords.
 //! - [`retry`]: the one pacing helper for reconnect and retry loops.
+//! - [`role`]: the one contract every background role keeps (typed name,
+//!   validated config, `run(self, shutdown)`, `run_once` where periodic).
 //! - [`supervisor`]: runs background roles under one cancellation token.
 //! - [`ui`]: the web dashboard `almanac run` serves (read-only unless
 //!   `--ui-actions`).
@@ -43,6 +46,7 @@ pub mod queue;
 pub mod redact;
 pub mod relay;
 pub mod retry;
+pub mod role;
 pub mod scheduler;
 pub mod supervisor;
 pub mod ui;

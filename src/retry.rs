@@ -57,7 +57,18 @@ impl Retry {
     /// Records a failure and sleeps its pause; `false` when `shutdown` was
     /// cancelled first (the caller should stop).
     pub async fn pause(&mut self, shutdown: &CancellationToken) -> bool {
+        self.pause_told(shutdown, |_| {}).await
+    }
+
+    /// As [`Retry::pause`], telling `tell` the pause first (for the log
+    /// line that says when the next try comes).
+    pub async fn pause_told(
+        &mut self,
+        shutdown: &CancellationToken,
+        tell: impl FnOnce(Duration),
+    ) -> bool {
         let pause = self.failed();
+        tell(pause);
         tokio::select! {
             _ = shutdown.cancelled() => false,
             _ = tokio::time::sleep(pause) => true,

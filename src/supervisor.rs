@@ -1,8 +1,8 @@
 //! One cancellation token and one `JoinSet` for every role a process runs.
 //!
-//! Every background role has one shape: a `Config` with defaults and
-//! `validate()`, `run(self, shutdown) -> Result<..>`, and a `run_once()` its
-//! tests call. SIGINT or SIGTERM cancels the token; each role then stops in
+//! Every background role keeps one contract ([`crate::role`]): a typed name,
+//! a validated config, `run(self, shutdown)`, and `run_once()` where it is
+//! periodic. SIGINT or SIGTERM cancels the token; each role then stops in
 //! its own order (a worker stops claiming, drains within its deadline and
 //! releases what is left; the relay flushes). A role that fails, panics, or
 //! ends on its own before shutdown stops the others too, and the process
@@ -16,20 +16,22 @@ use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
+use crate::role::{Role, RoleName};
+
 #[derive(Debug, thiserror::Error)]
 pub enum SupervisorError {
     #[error("role `{role}` failed: {source:#}")]
     Failed {
-        role: &'static str,
+        role: RoleName,
         source: anyhow::Error,
     },
     #[error("role `{role}` panicked: {message}")]
-    Panicked { role: &'static str, message: String },
+    Panicked { role: RoleName, message: String },
     #[error("role `{role}` stopped on its own before shutdown was asked for")]
-    Ended { role: &'static str },
-    #[error("role{} {} did not stop within {grace:?} of the stop request (or a second signal came); aborted", if roles.len() == 1 { "" } else { "s" }, roles.join(", "))]
+    Ended { role: RoleName },
+    #[error("role{} {} did not stop within {grace:?} of the stop request (or a second signal came); aborted", if roles.len() == 1 { "" } else { "s" }, roles.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", "))]
     Stuck {
-        roles: Vec<&'static str>,
+        roles: Vec<RoleName>,
         grace: std::time::Duration,
     },
 }
@@ -37,7 +39,7 @@ pub enum SupervisorError {
 pub struct Supervisor {
     token: CancellationToken,
     roles: JoinSet<anyhow::Result<()>>,
-    names: HashMap<Id, &'static str>,
+    names: HashMap<Id, RoleName>,
     grace: std::time::Duration,
 }
 
@@ -70,8 +72,14 @@ impl Supervisor {
         self.token.clone()
     }
 
-    /// Runs a role; the role must return once the token is cancelled.
-    pub fn spawn<F, E>(&mut self, name: &'static str, role: F)
+    /// Runs a [`Role`] under the supervisor's token.
+    pub fn spawn_role<R: Role>(&mut self, role: R) {
+        let token = self.token();
+        self.spawn(R::NAME, async move { role.run(token).await.map(|_| ()) });
+    }
+
+    /// Runs a role's future; it must return once the token is cancelled.
+    pub fn spawn<F, E>(&mut self, name: RoleName, role: F)
     where
         F: Future<Output = Result<(), E>> + Send + 'static,
         E: Into<anyhow::Error> + Send + 'static,
@@ -130,7 +138,7 @@ impl Supervisor {
 
     /// Aborts the roles still running and names them.
     fn abort_stuck(&mut self) -> SupervisorError {
-        let mut roles: Vec<&'static str> = self.names.values().copied().collect();
+        let mut roles: Vec<RoleName> = self.names.values().copied().collect();
         roles.sort_unstable();
         self.roles.abort_all();
         let failure = SupervisorError::Stuck {
@@ -151,7 +159,9 @@ impl Supervisor {
             Err(err) => err.id(),
         };
         // An ended role is no longer running, whatever its result.
-        let role = self.names.remove(&id).unwrap_or("unknown");
+        let Some(role) = self.names.remove(&id) else {
+            unreachable!("every task in the set was spawned with a name")
+        };
         let name = |_: Id| role;
         match ended {
             Ok((_, Ok(()))) if stopping => None,
@@ -197,55 +207,57 @@ mod tests {
     async fn a_failing_role_stops_the_others_and_is_named() {
         let mut sup = Supervisor::new();
         let token = sup.token();
-        sup.spawn("waits", async move {
+        sup.spawn(RoleName::Reaper, async move {
             token.cancelled().await;
             Ok::<_, anyhow::Error>(())
         });
-        sup.spawn("breaks", async { Err(anyhow::anyhow!("disk on fire")) });
+        sup.spawn(RoleName::Janitor, async {
+            Err(anyhow::anyhow!("disk on fire"))
+        });
         let err = sup
             .run_until(std::future::pending())
             .await
             .unwrap_err()
             .to_string();
-        assert_eq!(err, "role `breaks` failed: disk on fire");
+        assert_eq!(err, "role `janitor` failed: disk on fire");
     }
 
     #[tokio::test]
     async fn a_panicking_role_is_named_with_its_message() {
         let mut sup = Supervisor::new();
-        sup.spawn("boom", async {
+        sup.spawn(RoleName::Relay, async {
             if true {
                 panic!("bad state");
             }
             Ok::<_, anyhow::Error>(())
         });
         let err = sup.run_until(std::future::pending()).await.unwrap_err();
-        assert_eq!(err.to_string(), "role `boom` panicked: bad state");
+        assert_eq!(err.to_string(), "role `relay` panicked: bad state");
     }
 
     #[tokio::test]
     async fn a_role_that_ignores_the_stop_request_is_aborted_after_the_grace() {
         let mut sup = Supervisor::new().grace(std::time::Duration::from_millis(100));
-        sup.spawn("stubborn", async {
+        sup.spawn(RoleName::Scheduler, async {
             std::future::pending::<()>().await;
             Ok::<_, anyhow::Error>(())
         });
         let token = sup.token();
-        sup.spawn("polite", async move {
+        sup.spawn(RoleName::Metrics, async move {
             token.cancelled().await;
             Ok::<_, anyhow::Error>(())
         });
         let err = sup.run_until(async { "test" }).await.unwrap_err();
         assert_eq!(
             err.to_string(),
-            "role stubborn did not stop within 100ms of the stop request (or a second signal came); aborted"
+            "role scheduler did not stop within 100ms of the stop request (or a second signal came); aborted"
         );
     }
 
     #[tokio::test]
     async fn a_stop_request_ends_every_role_cleanly() {
         let mut sup = Supervisor::new();
-        for name in ["a", "b"] {
+        for name in [RoleName::Reaper, RoleName::Janitor] {
             let token = sup.token();
             sup.spawn(name, async move {
                 token.cancelled().await;

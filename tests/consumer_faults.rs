@@ -15,6 +15,7 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, JobStatus, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::role::Role;
 use almanac::worker::{JobContext, WorkerConfig};
 use common::brokers::{self, unique};
 use common::{count, eventually};

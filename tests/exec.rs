@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use almanac::queue::{self, JobStatus, NewJob};
+use almanac::role::Role;
 use almanac::worker::exec::ExecHandler;
 use almanac::worker::{Worker, WorkerConfig};
 use common::eventually;

@@ -9,6 +9,7 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, RelayConfig, SinkKind};
+use almanac::role::Role;
 use almanac::worker::{Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
 use common::brokers::{self, unique};

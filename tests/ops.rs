@@ -9,9 +9,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use almanac::http::HttpServer;
-use almanac::maintenance::{Janitor, JanitorConfig, Reaper, ReaperConfig};
-use almanac::metrics::{Collector, CollectorConfig};
+use almanac::maintenance::{Janitor, JanitorConfig, Reaper};
+use almanac::metrics::Collector;
 use almanac::queue::{self, JobStatus, NewJob};
+use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use common::http::{get, get_with, sample};
 use common::proxy::Proxy;
@@ -229,9 +230,10 @@ async fn readyz_is_503_naming_missing_migrations(pool: PgPool) {
     let reply = get(&addr, "/readyz").await.unwrap();
     assert_eq!(reply.status, 503);
     let n = almanac::db::MIGRATOR.iter().count();
+    let plural = if n == 1 { "" } else { "s" };
     assert_eq!(
         reply.body.trim(),
-        format!("the database lacks {n} almanac migrations; run `almanac migrate`")
+        format!("the database lacks {n} almanac migration{plural}; run `almanac migrate`")
     );
     almanac::db::migrate(&pool).await.unwrap();
     assert_eq!(get(&addr, "/readyz").await.unwrap().status, 200);
@@ -328,19 +330,19 @@ async fn metric_families_move_after_real_work(pool: PgPool) {
     stop.cancel();
     running.await.unwrap().unwrap();
 
-    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    let reaper = Reaper::new(pool.clone(), Valid::default());
     eventually(
         "the stuck lease to be reaped",
         Duration::from_secs(20),
         || async {
-            reaper.run_once().await.unwrap();
+            reaper.run_once(&CancellationToken::new()).await.unwrap();
             queue::get(&pool, stuck_id).await.unwrap().status == JobStatus::Ready
         },
     )
     .await;
 
-    Collector::new(pool.clone(), CollectorConfig::default())
-        .run_once()
+    Collector::new(pool.clone(), Valid::default())
+        .run_once(&CancellationToken::new())
         .await
         .unwrap();
     let text = almanac::metrics::global().render();
@@ -471,9 +473,11 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
             batch_size: 2,
             pause: Duration::from_millis(1),
             ..JanitorConfig::default()
-        },
+        }
+        .validated()
+        .unwrap(),
     );
-    let report = janitor.run_once().await.unwrap();
+    let report = janitor.run_once(&CancellationToken::new()).await.unwrap();
     assert_eq!((report.done, report.dead, report.outbox), (5, 1, 5));
     // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); outbox: 3 rows
     // of a published batch and 2 published rows, then 0 = 2.
@@ -514,7 +518,7 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
     );
 
     // A second pass finds nothing.
-    let again = janitor.run_once().await.unwrap();
+    let again = janitor.run_once(&CancellationToken::new()).await.unwrap();
     assert_eq!((again.done, again.dead, again.outbox), (0, 0, 0));
 }
 
@@ -734,8 +738,8 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
             .await
             .unwrap();
     }
-    let mut collector = Collector::new(pool.clone(), CollectorConfig::default());
-    collector.run_once().await.unwrap();
+    let collector = Collector::new(pool.clone(), Valid::default());
+    collector.run_once(&CancellationToken::new()).await.unwrap();
     let before = almanac::metrics::global().render();
     assert_eq!(
         sample(&before, "almanac_outbox_backlog", &[("sink", "rabbitmq")]),
@@ -766,7 +770,7 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    collector.run_once().await.unwrap();
+    collector.run_once(&CancellationToken::new()).await.unwrap();
     let after = almanac::metrics::global().render();
     assert!(
         sample(

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use almanac::maintenance::{Reaper, ReaperConfig};
 use almanac::queue::{self, Claim, Enqueued, Failure, Fenced, JobStatus, NewJob, QueueError};
+use almanac::role::{Periodic, Settings};
 use common::eventually;
 use serde_json::json;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 fn kinds(k: &str) -> Vec<String> {
@@ -293,9 +295,11 @@ async fn the_reaper_buries_an_expired_job_whose_attempts_are_used_up(pool: PgPoo
         ReaperConfig {
             interval: Duration::from_secs(1),
             batch_size: 1,
-        },
+        }
+        .validated()
+        .unwrap(),
     );
-    let report = reaper.run_once().await.unwrap();
+    let report = reaper.run_once(&CancellationToken::new()).await.unwrap();
     assert_eq!((report.requeued, report.buried), (1, 1));
     assert_eq!(
         queue::get(&pool, retry).await.unwrap().status,
@@ -405,7 +409,7 @@ async fn outbox_rows(pool: &PgPool, job: i64) -> i64 {
         .unwrap()
 }
 
-/// The outbox trigger (with its `WHEN` clause, migration 0009) writes a row
+/// The outbox trigger (with its `WHEN` clause) writes a row
 /// for every transition of a `dual` job to `ready` and for no other: enqueue,
 /// a retry after a failure, the reaper, a release at shutdown, an operator
 /// retry; never a claim, a completion or a death.

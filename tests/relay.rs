@@ -11,6 +11,7 @@ use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{
     outbox, Failpoint, Publisher, Relay, RelayConfig, RelayError, SinkConfig, SinkKind,
 };
+use almanac::role::Role;
 use almanac::worker::{Worker, WorkerConfig};
 use common::brokers::{self, unique};
 use common::{count, eventually};

@@ -11,6 +11,7 @@ use almanac::queue::{self, NewJob};
 use almanac::relay::outbox;
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::role::Role;
 use almanac::worker::WorkerConfig;
 use common::brokers::{self, unique};
 use common::{count, eventually};

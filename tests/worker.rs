@@ -6,8 +6,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use almanac::maintenance::{Reaper, ReaperConfig};
+use almanac::maintenance::Reaper;
 use almanac::queue::{self, Backoff, JobStatus, NewJob};
+use almanac::role::{Periodic, Role, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use common::{count, eventually, log_exec};
 use sqlx::PgPool;
@@ -138,11 +139,18 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
         JobStatus::Running
     );
 
-    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    let reaper = Reaper::new(pool.clone(), Valid::default());
     eventually(
         "the reaper to take the job back",
         Duration::from_secs(15),
-        || async { reaper.run_once().await.unwrap().requeued == 1 },
+        || async {
+            reaper
+                .run_once(&CancellationToken::new())
+                .await
+                .unwrap()
+                .requeued
+                == 1
+        },
     )
     .await;
 

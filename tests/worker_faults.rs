@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use almanac::maintenance::{Reaper, ReaperConfig};
 use almanac::queue::{self, Backoff, JobStatus, NewJob};
+use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
 use common::proxy::Proxy;
@@ -153,7 +154,9 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
         ReaperConfig {
             interval: Duration::from_millis(200),
             batch_size: 100,
-        },
+        }
+        .validated()
+        .unwrap(),
     );
     let reaper = tokio::spawn(reaper.run(stop.clone()));
     let handler_log = log.clone();
@@ -381,11 +384,18 @@ async fn a_dropped_worker_renews_no_lease(pool: PgPool) {
     running.abort();
     assert!(running.await.unwrap_err().is_cancelled());
     // Nothing renews the lease any more: it runs out and the reaper takes it.
-    let reaper = Reaper::new(pool.clone(), ReaperConfig::default());
+    let reaper = Reaper::new(pool.clone(), Valid::default());
     eventually(
         "the lease to expire and be reaped",
         Duration::from_secs(15),
-        || async { reaper.run_once().await.unwrap().requeued == 1 },
+        || async {
+            reaper
+                .run_once(&CancellationToken::new())
+                .await
+                .unwrap()
+                .requeued
+                == 1
+        },
     )
     .await;
     assert_eq!(

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::Ctx;
 use crate::db;
 use crate::queue::{self, Claim};
+use crate::role::Role;
 use crate::worker::exec::ExecHandler;
 use crate::worker::{JobContext, Worker, WorkerConfig};
 

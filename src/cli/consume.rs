@@ -8,6 +8,7 @@ use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
 use crate::http::HttpAddr;
 use crate::relay::SinkKind;
+use crate::role::{Role, RoleName};
 use crate::supervisor::Supervisor;
 use crate::worker::exec::parse_handler_spec;
 
@@ -63,10 +64,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     let mut supervisor = Supervisor::new().grace(grace);
     if let Some(server) = http {
-        supervisor.spawn("http", server.run(supervisor.token()));
+        supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     let token = supervisor.token();
-    supervisor.spawn("consumer", async move {
+    supervisor.spawn(RoleName::Consumer, async move {
         let report = consumer.run(token).await?;
         tracing::info!(?report, "consumer stopped");
         Ok::<_, anyhow::Error>(())

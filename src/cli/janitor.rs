@@ -5,6 +5,7 @@ use anyhow::bail;
 use super::ops::JanitorFlags;
 use super::Ctx;
 use crate::maintenance::Janitor;
+use crate::role::Periodic;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -24,7 +25,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     let config = args.janitor.resolve(ctx)?;
     let pool = ctx.pool().await?;
-    let report = Janitor::new(pool, config).run_once().await?;
+    let once = tokio_util::sync::CancellationToken::new();
+    let report = Janitor::new(pool, config).run_once(&once).await?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

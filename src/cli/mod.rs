@@ -135,15 +135,11 @@ impl Ctx {
     /// Connects to a database that must already have the schema.
     pub async fn pool(&self) -> anyhow::Result<PgPool> {
         let pool = db::connect(&self.database_url, 2).await?;
-        let pending = db::pending_migrations(&pool)
+        let state = db::schema::state(&pool)
             .await
             .context("checking the almanac schema")?;
-        if pending > 0 {
-            bail!(
-                "{} lacks {pending} almanac migration{}; run `almanac migrate` (or start `almanac run`) first",
-                db::Target::of(&pool.connect_options()),
-                if pending == 1 { "" } else { "s" }
-            );
+        if let Some(problem) = state.problem() {
+            bail!("{}: {problem}", db::Target::of(&pool.connect_options()));
         }
         Ok(pool)
     }
@@ -226,4 +222,25 @@ fn init_logging(format: LogFormat) {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+}
+
+/// The flag that sets each `almanac.toml` key a role's settings name.
+const FLAGS: &[(&str, &str)] = &[
+    ("[reaper] interval", "--reaper-interval"),
+    ("[reaper] batch_size", "--reaper-batch-size"),
+    ("[janitor] interval", "--janitor-interval"),
+    ("[janitor] done_retention", "--done-retention"),
+    ("[janitor] dead_retention", "--dead-retention"),
+    ("[janitor] outbox_retention", "--outbox-retention"),
+    ("[janitor] batch_size", "--janitor-batch"),
+    ("[metrics] interval", "--metrics-interval"),
+];
+
+/// A setting's error as a person at the command line reads it: the flag,
+/// then the file key, then the rule.
+pub(crate) fn invalid(err: crate::role::InvalidSetting) -> anyhow::Error {
+    match FLAGS.iter().find(|(key, _)| *key == err.setting) {
+        Some((_, flag)) => anyhow::anyhow!("{flag} ({}) {}", err.setting, err.problem),
+        None => anyhow::Error::new(err),
+    }
 }

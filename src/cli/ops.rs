@@ -7,6 +7,7 @@ use super::Ctx;
 use crate::config::{pick, HumanDuration};
 use crate::http::{BasicAuth, HttpAddr, HttpServer};
 use crate::maintenance::JanitorConfig;
+use crate::role::{Settings, Valid};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpFlags {
@@ -90,7 +91,7 @@ pub struct JanitorFlags {
 }
 
 impl JanitorFlags {
-    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<JanitorConfig> {
+    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<Valid<JanitorConfig>> {
         let file = &ctx.config.janitor;
         let d = JanitorConfig::default();
         let config = JanitorConfig {
@@ -109,9 +110,8 @@ impl JanitorFlags {
             pause: pick(self.janitor_pause, file.pause, d.pause),
         };
         config
-            .validate()
-            .map_err(anyhow::Error::msg)
-            .context("invalid janitor settings")?;
-        Ok(config)
+            .validated()
+            .map_err(super::invalid)
+            .context("invalid janitor settings")
     }
 }

@@ -17,10 +17,9 @@ use crate::http::HttpAddr;
 use crate::maintenance::{Janitor, Reaper, ReaperConfig};
 use crate::metrics::{Collector, CollectorConfig};
 use crate::relay::{Publisher, Relay};
+use crate::role::{RoleName, Settings};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::supervisor::Supervisor;
-
-const ROLES: [&str; 5] = ["scheduler", "reaper", "janitor", "metrics", "relay"];
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -28,7 +27,7 @@ pub struct Args {
     /// relay [default: scheduler, reaper, janitor, metrics when the HTTP
     /// endpoint is on, and relay when a sink is configured].
     #[arg(long, env = "ALMANAC_ROLES", value_delimiter = ',')]
-    roles: Vec<String>,
+    roles: Vec<RoleName>,
     #[command(flatten)]
     schedules: SchedulesDir,
     /// How often a standby scheduler tries to become leader [default: 2s].
@@ -68,38 +67,28 @@ pub struct Args {
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let sinks = args.sinks.resolve(ctx)?;
-    let explicit: Option<Vec<String>> = if !args.roles.is_empty() {
+    let explicit: Option<Vec<RoleName>> = if !args.roles.is_empty() {
         Some(args.roles.clone())
     } else {
         ctx.config.roles.clone()
     };
     let http_on = args.http.addr(ctx, HttpAddr::RUN_DEFAULT).0.is_some();
-    let roles: Vec<String> = match explicit {
-        Some(list) => {
-            let list: Vec<String> = list.iter().map(|r| r.trim().to_string()).collect();
-            if let Some(bad) = list.iter().find(|r| !ROLES.contains(&r.as_str())) {
-                bail!(
-                    "unknown role `{bad}` in --roles (or `roles`); roles are {}",
-                    ROLES.join(", ")
-                );
-            }
-            list
-        }
-        None => ROLES
-            .iter()
-            .filter(|r| match **r {
-                "relay" => !sinks.configured().is_empty(),
-                "metrics" => http_on,
+    let roles: Vec<RoleName> = match explicit {
+        Some(list) => list,
+        None => RoleName::RUN
+            .into_iter()
+            .filter(|r| match r {
+                RoleName::Relay => !sinks.configured().is_empty(),
+                RoleName::Metrics => http_on,
                 _ => true,
             })
-            .map(|r| r.to_string())
             .collect(),
     };
-    let wants = |role: &str| roles.iter().any(|r| r == role);
-    if wants("relay") && sinks.configured().is_empty() {
+    let wants = |role: RoleName| roles.contains(&role);
+    if wants(RoleName::Relay) && sinks.configured().is_empty() {
         bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url (or leave `relay` out of --roles)");
     }
-    if wants("metrics") && !http_on {
+    if wants(RoleName::Metrics) && !http_on {
         bail!("the metrics role feeds the HTTP endpoint, which is off: set --http-addr (or leave `metrics` out of --roles)");
     }
 
@@ -115,7 +104,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 .unwrap_or(d.batch_size),
         }
     };
-    reaper.validate().map_err(anyhow::Error::msg)?;
+    let reaper = reaper.validated().map_err(super::invalid)?;
     let janitor = args.janitor.resolve(ctx)?;
     let collector = CollectorConfig {
         interval: pick(
@@ -124,9 +113,9 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             CollectorConfig::default().interval,
         ),
     };
-    collector.validate().map_err(anyhow::Error::msg)?;
+    let collector = collector.validated().map_err(super::invalid)?;
     let relay = args.relay.resolve(ctx, &sinks)?;
-    let scheduler = if wants("scheduler") {
+    let scheduler = if wants(RoleName::Scheduler) {
         let d = SchedulerConfig::default();
         let config = SchedulerConfig {
             schedules_dir: args.schedules.resolve(ctx),
@@ -156,7 +145,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let publishers = if wants("relay") {
+    let publishers = if wants(RoleName::Relay) {
         sinks
             .configured()
             .into_iter()
@@ -175,7 +164,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);
         let server = server.mount(crate::ui::router(&pool, ui));
-        supervisor.spawn("http", server.run(supervisor.token()));
+        supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     if let Some(scheduler) = scheduler {
         let (reload_tx, reload_rx) = mpsc::channel(1);
@@ -189,33 +178,22 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 let _ = reload_tx.try_send(());
             }
         });
-        let token = supervisor.token();
-        supervisor.spawn("scheduler", scheduler.run(token, reload_rx));
+        supervisor.spawn_role(scheduler.reload_on(reload_rx));
     }
-    if wants("reaper") {
-        supervisor.spawn(
-            "reaper",
-            Reaper::new(pool.clone(), reaper).run(supervisor.token()),
-        );
+    if wants(RoleName::Reaper) {
+        supervisor.spawn_role(Reaper::new(pool.clone(), reaper));
     }
-    if wants("janitor") {
-        supervisor.spawn(
-            "janitor",
-            Janitor::new(pool.clone(), janitor).run(supervisor.token()),
-        );
+    if wants(RoleName::Janitor) {
+        supervisor.spawn_role(Janitor::new(pool.clone(), janitor));
     }
-    if wants("metrics") {
-        supervisor.spawn(
-            "metrics",
-            Collector::new(pool.clone(), collector).run(supervisor.token()),
-        );
+    if wants(RoleName::Metrics) {
+        supervisor.spawn_role(Collector::new(pool.clone(), collector));
     }
     for publisher in publishers {
-        let relay = Relay::new(pool.clone(), publisher, relay.clone());
-        let token = supervisor.token();
-        supervisor.spawn("relay", relay.run(token));
+        supervisor.spawn_role(Relay::new(pool.clone(), publisher, relay.clone()));
     }
-    tracing::info!(roles = %roles.join(","), "almanac running");
+    let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
+    tracing::info!(roles = %names.join(","), "almanac running");
     supervisor.run_until_signal().await?;
     Ok(())
 }

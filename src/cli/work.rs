@@ -5,6 +5,7 @@ use anyhow::bail;
 use super::Ctx;
 use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
+use crate::role::{Role, RoleName};
 use crate::supervisor::Supervisor;
 use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
@@ -126,10 +127,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     let mut supervisor = Supervisor::new().grace(grace);
     if let Some(server) = http {
-        supervisor.spawn("http", server.run(supervisor.token()));
+        supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     let token = supervisor.token();
-    supervisor.spawn("worker", async move {
+    supervisor.spawn(RoleName::Worker, async move {
         let report = worker.run(token).await?;
         tracing::info!(?report, "worker stopped");
         Ok::<_, anyhow::Error>(())

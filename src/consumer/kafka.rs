@@ -39,7 +39,7 @@ pub(super) async fn run(
     // Subscribing to a missing topic fails: make sure it exists, waiting out
     // a broker that is not up yet.
     let admin = admin(&brokers)?;
-    let mut pause = Duration::from_millis(200);
+    let mut retry = Retry::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
         let sinks = &consumer.sinks;
         match ensure_topic(
@@ -53,12 +53,10 @@ pub(super) async fn run(
         {
             Ok(()) => break,
             Err(err) => {
-                warn!(%err, retry_in_ms = pause.as_millis() as u64, "Kafka consumer cannot start");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(pause) => {}
+                let told = |pause: Duration| warn!(%err, retry_in_ms = pause.as_millis() as u64, "Kafka consumer cannot start");
+                if !retry.pause_told(&shutdown, told).await {
+                    return Ok(());
                 }
-                pause = (pause * 2).min(Duration::from_secs(10));
             }
         }
     }

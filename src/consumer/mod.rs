@@ -41,6 +41,7 @@ use tracing::warn;
 use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::queue::{self, QueueError};
 use crate::retry::Retry;
+use crate::role::{Role, RoleName};
 use crate::worker::{Executed, Executor, Handler, WorkerConfig, WorkerReport};
 
 /// The header carrying the job id.
@@ -212,9 +213,15 @@ impl Consumer {
             }
         }
     }
+}
+
+impl Role for Consumer {
+    const NAME: RoleName = RoleName::Consumer;
+    type Output = ConsumerReport;
+    type Error = ConsumerError;
 
     /// Consumes until `shutdown`, then drains and releases as the module doc says.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
+    async fn run(self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
         if self.handlers.is_empty() {
             return Err(ConsumerError::NoHandlers);
         }

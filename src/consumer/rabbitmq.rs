@@ -16,6 +16,7 @@ use super::{Consumer, JOB_ID_HEADER};
 use crate::broker::rabbitmq::{connect, declare};
 use crate::broker::{SinkError, SinkKind};
 use crate::redact::redact_url;
+use crate::retry::Retry;
 use crate::worker::Executor;
 
 fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
@@ -44,7 +45,7 @@ pub(super) async fn run(
     let queue = consumer.config.destination.clone();
     let prefetch = consumer.config.worker.concurrency.min(u16::MAX as usize) as u16;
     let mut running = JoinSet::new();
-    let mut pause = Duration::from_millis(200);
+    let mut retry = Retry::new(Duration::from_millis(200), Duration::from_secs(10));
     'connect: while !shutdown.is_cancelled() {
         let session = async {
             let (conn, channel) = connect(&url, consumer.sinks.ack_timeout).await?;
@@ -70,16 +71,14 @@ pub(super) async fn run(
         let (conn, _channel, mut deliveries) = match session.await {
             Ok(session) => session,
             Err(err) => {
-                warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(pause) => {}
+                let told = |pause: Duration| warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
+                if !retry.pause_told(&shutdown, told).await {
+                    break;
                 }
-                pause = (pause * 2).min(Duration::from_secs(10));
                 continue;
             }
         };
-        pause = Duration::from_millis(200);
+        retry.succeeded();
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
         loop {
             let next = tokio::select! {

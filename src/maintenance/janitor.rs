@@ -1,6 +1,6 @@
 //! The janitor: deletes `done` jobs, `dead` jobs and the records of
-//! published outbox rows (published batches, and rows published before
-//! migration 0014) past their retention, so the tables stop growing forever.
+//! published outbox rows (published batches, and rows published row by
+//! row by pre-release builds) past their retention, so the tables stop growing forever.
 //!
 //! It deletes in batches of `batch_size` rows (oldest first, SKIP LOCKED, one
 //! short transaction each) with `pause` between batches, so it never holds
@@ -13,14 +13,13 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::PgPool;
-use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
-use crate::config::positive;
 use crate::metrics;
 use crate::queue::{self, JobStatus, QueueError};
 use crate::relay::outbox;
+use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
 #[derive(Debug, Clone)]
 pub struct JanitorConfig {
@@ -51,28 +50,13 @@ impl Default for JanitorConfig {
     }
 }
 
-impl JanitorConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        positive("--janitor-interval ([janitor] interval)", self.interval)?;
-        positive(
-            "--done-retention ([janitor] done_retention)",
-            self.done_retention,
-        )?;
-        positive(
-            "--dead-retention ([janitor] dead_retention)",
-            self.dead_retention,
-        )?;
-        positive(
-            "--outbox-retention ([janitor] outbox_retention)",
-            self.outbox_retention,
-        )?;
-        if self.batch_size < 1 {
-            return Err(format!(
-                "--janitor-batch ([janitor] batch_size) must be at least 1, got {}",
-                self.batch_size
-            ));
-        }
-        Ok(())
+impl Settings for JanitorConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
+        InvalidSetting::positive("[janitor] interval", self.interval)?;
+        InvalidSetting::positive("[janitor] done_retention", self.done_retention)?;
+        InvalidSetting::positive("[janitor] dead_retention", self.dead_retention)?;
+        InvalidSetting::positive("[janitor] outbox_retention", self.outbox_retention)?;
+        InvalidSetting::at_least("[janitor] batch_size", self.batch_size, 1)
     }
 }
 
@@ -96,7 +80,7 @@ pub enum JanitorError {
 
 pub struct Janitor {
     pool: PgPool,
-    config: JanitorConfig,
+    config: Valid<JanitorConfig>,
 }
 
 #[derive(Clone, Copy)]
@@ -106,17 +90,45 @@ enum Target {
 }
 
 impl Janitor {
-    pub fn new(pool: PgPool, config: JanitorConfig) -> Self {
+    pub fn new(pool: PgPool, config: Valid<JanitorConfig>) -> Self {
         Janitor { pool, config }
+    }
+
+    async fn delete_batch(&self, target: Target) -> Result<u64, JanitorError> {
+        let limit = self.config.batch_size;
+        let (what, deleted) = match target {
+            Target::Jobs(status, what) => {
+                let retention = match status {
+                    JobStatus::Done => self.config.done_retention,
+                    _ => self.config.dead_retention,
+                };
+                let n = queue::delete_finished(&self.pool, status, retention, limit).await?;
+                (what, n)
+            }
+            Target::Outbox => {
+                let n = outbox::delete_published(&self.pool, self.config.outbox_retention, limit)
+                    .await?;
+                ("outbox", n)
+            }
+        };
+        metrics::record_janitor_deleted(what, deleted);
+        Ok(deleted)
+    }
+}
+
+impl Periodic for Janitor {
+    const NAME: RoleName = RoleName::Janitor;
+    type Report = JanitorReport;
+    type Error = JanitorError;
+
+    fn period(&self) -> Period {
+        Period::new(self.config.interval).expect("checked by JanitorConfig")
     }
 
     /// One pass over done jobs, dead jobs and published outbox rows, each in
     /// batches until a batch comes back short. Stops early (with what it did
     /// so far) when `shutdown` is cancelled.
-    pub async fn run_once_until(
-        &self,
-        shutdown: &CancellationToken,
-    ) -> Result<JanitorReport, JanitorError> {
+    async fn run_once(&self, shutdown: &CancellationToken) -> Result<JanitorReport, JanitorError> {
         let mut report = JanitorReport::default();
         for target in [
             Target::Jobs(JobStatus::Done, "done"),
@@ -146,50 +158,14 @@ impl Janitor {
         Ok(report)
     }
 
-    /// One whole pass.
-    pub async fn run_once(&self) -> Result<JanitorReport, JanitorError> {
-        self.run_once_until(&CancellationToken::new()).await
-    }
-
-    async fn delete_batch(&self, target: Target) -> Result<u64, JanitorError> {
-        let limit = self.config.batch_size;
-        let (what, deleted) = match target {
-            Target::Jobs(status, what) => {
-                let retention = match status {
-                    JobStatus::Done => self.config.done_retention,
-                    _ => self.config.dead_retention,
-                };
-                let n = queue::delete_finished(&self.pool, status, retention, limit).await?;
-                (what, n)
-            }
-            Target::Outbox => {
-                let n = outbox::delete_published(&self.pool, self.config.outbox_retention, limit)
-                    .await?;
-                ("outbox", n)
-            }
-        };
-        metrics::record_janitor_deleted(what, deleted);
-        Ok(deleted)
-    }
-
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), JanitorError> {
-        let mut tick = tokio::time::interval(self.config.interval);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tick.tick() => {}
-            }
-            match self.run_once_until(&shutdown).await {
-                Ok(r) if r.done + r.dead + r.outbox > 0 => info!(
-                    done = r.done,
-                    dead = r.dead,
-                    outbox = r.outbox,
-                    "janitor deleted rows past retention"
-                ),
-                Ok(_) => {}
-                Err(err) => warn!(%err, "janitor pass failed; the next pass retries"),
-            }
+    fn log(&self, r: &JanitorReport) {
+        if r.done + r.dead + r.outbox > 0 {
+            info!(
+                done = r.done,
+                dead = r.dead,
+                outbox = r.outbox,
+                "janitor deleted rows past retention"
+            );
         }
     }
 }

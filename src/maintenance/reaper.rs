@@ -10,28 +10,24 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::queue::{self, QueueError, ReapReport};
+use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
 #[derive(Debug, Clone)]
 pub struct ReaperConfig {
+    /// How often a sweep starts.
     pub interval: Duration,
+    /// Most expired leases per statement.
     pub batch_size: i64,
 }
 
-impl ReaperConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        crate::config::positive("--reaper-interval ([reaper] interval)", self.interval)?;
-        if self.batch_size < 1 {
-            return Err(format!(
-                "--reaper-batch-size ([reaper] batch_size) must be at least 1, got {}",
-                self.batch_size
-            ));
-        }
-        Ok(())
+impl Settings for ReaperConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
+        InvalidSetting::positive("[reaper] interval", self.interval)?;
+        InvalidSetting::at_least("[reaper] batch_size", self.batch_size, 1)
     }
 }
 
@@ -46,47 +42,47 @@ impl Default for ReaperConfig {
 
 pub struct Reaper {
     pool: PgPool,
-    config: ReaperConfig,
+    config: Valid<ReaperConfig>,
 }
 
 impl Reaper {
-    pub fn new(pool: PgPool, config: ReaperConfig) -> Self {
+    pub fn new(pool: PgPool, config: Valid<ReaperConfig>) -> Self {
         Reaper { pool, config }
     }
+}
 
-    /// One sweep: batches until a batch comes back short.
-    pub async fn run_once(&self) -> Result<ReapReport, QueueError> {
+impl Periodic for Reaper {
+    const NAME: RoleName = RoleName::Reaper;
+    type Report = ReapReport;
+    type Error = QueueError;
+
+    fn period(&self) -> Period {
+        Period::new(self.config.interval).expect("checked by ReaperConfig")
+    }
+
+    /// One sweep: batches until a batch comes back short (or `shutdown`).
+    async fn run_once(&self, shutdown: &CancellationToken) -> Result<ReapReport, QueueError> {
         let mut total = ReapReport::default();
         loop {
             let batch = queue::reap_expired(&self.pool, self.config.batch_size).await?;
             total.requeued += batch.requeued;
             total.buried += batch.buried;
             crate::metrics::record_reaped(batch.requeued + batch.buried);
-            if ((batch.requeued + batch.buried) as i64) < self.config.batch_size {
+            if ((batch.requeued + batch.buried) as i64) < self.config.batch_size
+                || shutdown.is_cancelled()
+            {
                 return Ok(total);
             }
         }
     }
 
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), QueueError> {
-        let mut tick = tokio::time::interval(self.config.interval);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tick.tick() => {}
-            }
-            match self.run_once().await {
-                Ok(r) if r.requeued + r.buried > 0 => {
-                    info!(
-                        requeued = r.requeued,
-                        buried = r.buried,
-                        "reaped expired leases"
-                    )
-                }
-                Ok(_) => {}
-                Err(err) => warn!(%err, "reaper sweep failed; next sweep retries"),
-            }
+    fn log(&self, r: &ReapReport) {
+        if r.requeued + r.buried > 0 {
+            info!(
+                requeued = r.requeued,
+                buried = r.buried,
+                "reaped expired leases"
+            );
         }
     }
 }

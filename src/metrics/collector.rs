@@ -5,16 +5,16 @@
 //! their last value.
 
 use std::collections::BTreeSet;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 use super::snapshot::Snapshot;
 use super::{global, KindLabel, KindStatusLabel, ScheduleLabel, SinkLabel};
 use crate::queue::QueueError;
+use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
 const STATUSES: [&str; 3] = ["ready", "running", "dead"];
 
@@ -32,38 +32,36 @@ impl Default for CollectorConfig {
     }
 }
 
-impl CollectorConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        crate::config::positive("metrics interval", self.interval)
+impl Settings for CollectorConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
+        InvalidSetting::positive("[metrics] interval", self.interval).map(|_| ())
     }
 }
 
 pub struct Collector {
     pool: PgPool,
-    config: CollectorConfig,
+    config: Valid<CollectorConfig>,
+    /// Kinds and sinks seen so far (they keep their series).
+    seen: Mutex<Seen>,
+}
+
+#[derive(Default)]
+struct Seen {
     kinds: BTreeSet<String>,
     sinks: BTreeSet<String>,
 }
 
 impl Collector {
-    pub fn new(pool: PgPool, config: CollectorConfig) -> Self {
+    pub fn new(pool: PgPool, config: Valid<CollectorConfig>) -> Self {
         Collector {
             pool,
             config,
-            kinds: BTreeSet::new(),
-            sinks: BTreeSet::new(),
+            seen: Mutex::default(),
         }
     }
 
-    /// One refresh: read the database, set the gauges.
-    pub async fn run_once(&mut self) -> Result<Snapshot, QueueError> {
-        let mut conn = self.pool.acquire().await?;
-        let snapshot = Snapshot::read(&mut conn).await?;
-        self.publish(&snapshot);
-        Ok(snapshot)
-    }
-
-    fn publish(&mut self, s: &Snapshot) {
+    fn publish(&self, s: &Snapshot) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let m = global();
         for schedule in &s.schedules {
             let label = ScheduleLabel {
@@ -78,9 +76,9 @@ impl Collector {
                     .set(last.timestamp_millis() as f64 / 1000.0);
             }
         }
-        self.kinds
+        seen.kinds
             .extend(s.jobs.by_kind_status.iter().map(|c| c.kind.clone()));
-        for kind in &self.kinds {
+        for kind in &seen.kinds {
             for status in STATUSES {
                 let count = s
                     .jobs
@@ -106,8 +104,8 @@ impl Collector {
                 .set(age);
         }
         m.expired_leases.set(s.jobs.expired_leases);
-        self.sinks.extend(s.outbox.iter().map(|b| b.sink.clone()));
-        for sink in &self.sinks {
+        seen.sinks.extend(s.outbox.iter().map(|b| b.sink.clone()));
+        for sink in &seen.sinks {
             let row = s.outbox.iter().find(|b| &b.sink == sink);
             let label = SinkLabel { sink: sink.clone() };
             m.outbox_backlog
@@ -121,18 +119,24 @@ impl Collector {
                 .set(row.map_or(0.0, |b| b.failed as f64));
         }
     }
+}
 
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), QueueError> {
-        let mut tick = tokio::time::interval(self.config.interval);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tick.tick() => {}
-            }
-            if let Err(err) = self.run_once().await {
-                warn!(%err, "metrics collector could not read the database; next tick retries");
-            }
-        }
+impl Periodic for Collector {
+    const NAME: RoleName = RoleName::Metrics;
+    type Report = Snapshot;
+    type Error = QueueError;
+
+    fn period(&self) -> Period {
+        Period::new(self.config.interval).expect("checked by CollectorConfig")
     }
+
+    /// One refresh: read the database, set the gauges.
+    async fn run_once(&self, _shutdown: &CancellationToken) -> Result<Snapshot, QueueError> {
+        let mut conn = self.pool.acquire().await?;
+        let snapshot = Snapshot::read(&mut conn).await?;
+        self.publish(&snapshot);
+        Ok(snapshot)
+    }
+
+    fn log(&self, _: &Snapshot) {}
 }

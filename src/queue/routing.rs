@@ -83,8 +83,8 @@ pub struct RedriveCursor {
 /// within `after` waits out `after` from that publication. A sweep goes on
 /// past candidates published recently (waiting for slow consumers), so a
 /// lost message behind them is still found. A step reads every record
-/// published within `after` whose span of job ids (migration
-/// `0016_outbox_batch_job_span.sql`) overlaps its candidates': few when
+/// published within `after` whose span of job ids (`job_span`, see the
+/// baseline migration) overlaps its candidates': few when
 /// jobs are published in about the order they were created, more when jobs
 /// delayed by different amounts widen the spans (at worst every record
 /// published within `after`).

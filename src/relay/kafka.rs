@@ -30,6 +30,7 @@ use tracing::warn;
 use super::OutboxRow;
 use crate::broker::kafka::{admin, classify, ensure_topic, producer_with};
 use crate::broker::{PublishError, SinkConfig, SinkError};
+use crate::retry::Retry;
 
 type RelayProducer = ThreadedProducer<Reports>;
 
@@ -189,6 +190,8 @@ impl KafkaPublisher {
     pub async fn send(&mut self, rows: &[&OutboxRow]) -> KafkaInFlight {
         let batch = Deliveries::new(rows.len());
         let room_by = Instant::now() + self.ack_timeout;
+        // Paces the waits for room in a full producer queue.
+        let mut room = Retry::new(Duration::from_millis(1), Duration::from_millis(20));
         for (index, row) in rows.iter().enumerate() {
             let mut headers = OwnedHeaders::new_with_capacity(row.header_names.len());
             for (key, value) in row.header_names.iter().zip(&row.header_values) {
@@ -207,13 +210,17 @@ impl KafkaPublisher {
                 .headers(headers);
             loop {
                 match self.producer.send(record) {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        room.succeeded();
+                        break;
+                    }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                         if Instant::now() < room_by =>
                     {
                         // Room comes as earlier messages are acknowledged.
                         record = back;
-                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        let pause = room.failed().min(room_by - Instant::now());
+                        tokio::time::sleep(pause).await;
                     }
                     Err((error, back)) => {
                         batch.set(index, Err(error));

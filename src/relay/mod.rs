@@ -4,7 +4,7 @@
 //! - **Where rows come from.** A trigger on `almanac.jobs` writes an outbox
 //!   row in the same transaction as every transition of a `dual` or `broker`
 //!   job to `ready` (enqueue, retry, reaper, release, `route set`), with
-//!   `available_at = run_at` (migration `0003_outbox.sql`).
+//!   `available_at = run_at` (the baseline migration).
 //! - **Short transactions.** A relay claims a batch of due rows of its sink in
 //!   one statement: a row in `almanac.outbox_batches` names them, with a
 //!   token and an in-flight lease; other claims skip rows a batch in flight
@@ -61,6 +61,7 @@ use tracing::{debug, info, warn};
 pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
 use crate::queue::{routing, Backoff};
 use crate::retry::Retry;
+use crate::role::{Role, RoleName};
 pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
 pub use publisher::{InFlight, Publisher};
 
@@ -146,6 +147,8 @@ pub enum RelayError {
     Db(#[from] sqlx::Error),
     #[error("failpoint {0:?} reached; the claimed rows were left in flight")]
     Failpoint(Failpoint),
+    #[error("invalid relay config: {0}")]
+    Config(String),
     #[error("a relay task ended abnormally: {0}")]
     Task(String),
 }
@@ -437,19 +440,34 @@ impl Relay {
             *next_reconcile = Instant::now() + self.config.reconcile_interval;
         }
     }
+}
 
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
+impl Role for Relay {
+    const NAME: RoleName = RoleName::Relay;
+    type Output = ();
+    type Error = RelayError;
+
+    /// Drains, maintains and waits (LISTEN or the poll interval) until
+    /// `shutdown`, then flushes the producer within 10 s.
+    async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
+        self.config.validate().map_err(RelayError::Config)?;
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
         let mut listener = listen(&self.pool).await;
+        // LISTEN is retried with its own pacing; polling covers for it meanwhile.
+        let mut listen_retry = Retry::reconnect();
+        let mut listen_next = Instant::now();
         let mut retry = Retry::new(self.config.retry.base, self.config.retry.max);
         let mut next_redrive =
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
-            if listener.is_none() {
-                // Polling covers for it meanwhile; try LISTEN again each round.
+            if listener.is_none() && Instant::now() >= listen_next {
                 listener = listen(&self.pool).await;
+                match listener {
+                    Some(_) => listen_retry.succeeded(),
+                    None => listen_next = Instant::now() + listen_retry.failed(),
+                }
             }
             self.maintain(&mut next_redrive, &mut next_reconcile).await;
             let pause = match self.drain().await {

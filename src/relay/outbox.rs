@@ -2,7 +2,7 @@
 //! relay's claim and marks, the
 //! re-addressing that keeps pending rows on their kind's current route, and
 //! the per-sink figures for `almanac stats` and the metrics. (Outbox rows are
-//! written by the trigger in `0003_outbox.sql` through `almanac.write_outbox`.)
+//! written by the trigger in the baseline migration through `almanac.write_outbox`.)
 //!
 //! **Asynchronous commit.** The claim and the marks that bury no job set
 //! `synchronous_commit = off` for their own transaction (inside their one
@@ -89,11 +89,11 @@ fn claim_lock(sink: SinkKind) -> i32 {
 }
 
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
-/// transaction, `almanac.claim_outbox` in migrations `0014_outbox_batches.sql`
-/// and `0015_outbox_claim_position.sql`): a row in `almanac.outbox_batches`
+/// transaction, `almanac.claim_outbox` in the baseline migration; its history
+/// is in `tests/fixtures/pre_baseline/0014_*` and `0015_*`): a row in `almanac.outbox_batches`
 /// with a fresh token, the rows' ids and an in-flight lease of `lease` (the
 /// rows come due again when it ends). The outbox rows themselves are not
-/// written (0014 says why). Rows named by another batch in flight are
+/// written (the baseline says why). Rows named by another batch in flight are
 /// skipped (a hashed `NOT IN`); claims of one sink take an advisory lock for
 /// their transaction, so two relays never pick the same rows, and each first
 /// drops the batches whose lease ended, which fences out their relays'
@@ -111,7 +111,7 @@ pub async fn claim(
 /// [`claim`], taking only rows after `after` in claim order (the whole
 /// order when `None`). A claim that starts after the previous batch does
 /// not step over the index entries rows published since the last VACUUM
-/// leave behind (0015 says what they cost); rows that come due behind the
+/// leave behind (`tests/fixtures/pre_baseline/0015_*` says what they cost); rows that come due behind the
 /// position are taken by the next claim from the start.
 pub async fn claim_after(
     pool: &PgPool,
@@ -291,7 +291,7 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 }
 
 // The marks look rows up by id and test `failed_at` alone: rows of a batch
-// are never published before 0014, and naming both columns would match
+// are never published row by row, and naming both columns would match
 // `outbox_due_idx`'s predicate, and tempt the planner into scanning the
 // whole backlog through it for each mark (seen: 30 times slower). `o.id =
 // ANY($1)` beside the join with `unnest` gives the planner the primary key
@@ -301,8 +301,8 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 /// The batch part of a mark: `$1` token, `$2` published ids, `$3` their
 /// jobs, `$4` asynchronous commit, `$5` every claimed row published (the
 /// batch keeps its stored `ids`: not written again), `$6` and `$7` the
-/// lowest and highest job (the record's `job_span`, migration
-/// `0016_outbox_batch_job_span.sql`).
+/// lowest and highest job (the record's `job_span`; the baseline migration
+/// says why a span).
 pub const MARK_BATCH_SQL: &str = r#"
         WITH commit_mode AS (
             SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
@@ -529,8 +529,8 @@ pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, 
 }
 
 /// Deletes records of publications older than `older_than`: at most
-/// `limit` published batches and `limit` rows published before migration
-/// 0014, oldest first; returns how many rows they covered. Unpublished rows
+/// `limit` published batches and `limit` rows published row by row (by
+/// pre-release builds), oldest first; returns how many rows they covered. Unpublished rows
 /// are never touched.
 pub async fn delete_published<'e>(
     db: impl sqlx::PgExecutor<'e> + Copy,

@@ -40,6 +40,7 @@ use sqlx::{Connection, PgConnection};
 use super::outbox;
 use crate::broker::SinkKind;
 use crate::queue::routing;
+use crate::retry::Retry;
 
 /// How long `set` waits for the kind's lock by default.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -204,14 +205,21 @@ pub async fn set_within(
     // Moving a kind's jobs locks many rows in heap order while workers lock
     // some of them in theirs (outcomes, heartbeats), so PostgreSQL may pick
     // this transaction as a deadlock victim. It rolled back whole: try again.
-    let mut tries = 0;
+    // At most 5 tries, paced so the workers' statements get through between.
+    let mut retry = Retry::new(Duration::from_millis(50), Duration::from_secs(1));
     let result = loop {
-        tries += 1;
         match set_in_tx(conn, kind, mode, sink, destination, lock_timeout).await {
             Err(RouteError::Db(sqlx::Error::Database(e)))
-                if e.code().as_deref() == Some("40P01") && tries < 5 =>
+                if e.code().as_deref() == Some("40P01") && retry.failures() < 4 =>
             {
-                tracing::warn!(kind, tries, "route set was a deadlock victim; retrying");
+                let pause = retry.failed();
+                tracing::warn!(
+                    kind,
+                    tries = retry.failures(),
+                    retry_in_ms = pause.as_millis() as u64,
+                    "route set was a deadlock victim; retrying"
+                );
+                tokio::time::sleep(pause).await;
             }
             other => break other,
         }

@@ -52,6 +52,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::retry::Retry;
+use crate::role::{Role, RoleName};
 use leader::{LeaderLost, Leadership};
 use ledger::Recorded;
 use spec::Schedule;
@@ -163,6 +164,8 @@ pub struct Scheduler {
     config: SchedulerConfig,
     schedules: Vec<Schedule>,
     leading: Arc<AtomicBool>,
+    /// A message here reloads the schedule files (SIGHUP in `almanac run`).
+    reload: Option<mpsc::Receiver<()>>,
 }
 
 enum Ended {
@@ -181,7 +184,14 @@ impl Scheduler {
             config,
             schedules,
             leading: Arc::new(AtomicBool::new(false)),
+            reload: None,
         })
+    }
+
+    /// Reloads the schedule files at each message on `reload`.
+    pub fn reload_on(mut self, reload: mpsc::Receiver<()>) -> Self {
+        self.reload = Some(reload);
+        self
     }
 
     /// True while this instance is the leader (for metrics and health).
@@ -236,69 +246,6 @@ impl Scheduler {
     /// The host clock as this process reads it.
     fn host_now(&self) -> DateTime<Utc> {
         Utc::now() + self.config.clock_offset
-    }
-
-    pub async fn run(
-        mut self,
-        shutdown: CancellationToken,
-        mut reload: mpsc::Receiver<()>,
-    ) -> Result<(), SchedulerError> {
-        info!(
-            schedules = self.schedules.len(),
-            dir = %self.config.schedules_dir.display(),
-            leader_timeout_ms = self.config.leader_timeout.as_millis() as u64,
-            "scheduler started"
-        );
-        let mut standing_by = false;
-        let mut retry = Retry::new(self.config.standby_retry, Duration::from_secs(30));
-        loop {
-            if shutdown.is_cancelled() {
-                return Ok(());
-            }
-            let pause = match Leadership::try_acquire(&self.options, self.config.leader_timeout)
-                .await
-            {
-                Ok(Some(mut leadership)) => {
-                    standing_by = false;
-                    retry.succeeded();
-                    self.gained(&leadership);
-                    let ended = loop {
-                        match self.lead(&mut leadership, &shutdown, &mut reload).await {
-                            Ended::Reload => self.reload(),
-                            other => break other,
-                        }
-                    };
-                    if let Ended::Shutdown = ended {
-                        self.leading.store(false, Ordering::SeqCst);
-                        crate::metrics::record_leadership(false);
-                        leadership.release().await;
-                        info!("scheduler leader stepped down at shutdown");
-                        return Ok(());
-                    }
-                    // The connection is dropped here: nothing more goes through it.
-                    drop(leadership);
-                    self.config.standby_retry
-                }
-                Ok(None) => {
-                    retry.succeeded();
-                    if !standing_by {
-                        info!("another scheduler leads; standing by");
-                        standing_by = true;
-                    }
-                    self.config.standby_retry
-                }
-                Err(err) => {
-                    let pause = retry.failed();
-                    warn!(%err, retry_in_ms = pause.as_millis() as u64, "cannot reach PostgreSQL for leadership");
-                    pause
-                }
-            };
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                Some(()) = reload.recv() => self.reload(),
-                _ = tokio::time::sleep(pause) => {}
-            }
-        }
     }
 
     /// Leads until shutdown, a reload, or the loss of the lock session.
@@ -373,6 +320,75 @@ impl Scheduler {
                 _ = shutdown.cancelled() => return Ended::Shutdown,
                 Some(()) = reload.recv() => return Ended::Reload,
                 _ = tokio::time::sleep(sleep) => {}
+            }
+        }
+    }
+}
+
+impl Role for Scheduler {
+    const NAME: RoleName = RoleName::Scheduler;
+    type Output = ();
+    type Error = SchedulerError;
+
+    /// Stands by or leads until `shutdown`; the leader steps down (releasing
+    /// the lock) before it returns.
+    async fn run(mut self, shutdown: CancellationToken) -> Result<(), SchedulerError> {
+        // Without a reload channel, one whose sender is gone: never a message.
+        let mut reload = self.reload.take().unwrap_or_else(|| mpsc::channel(1).1);
+        info!(
+            schedules = self.schedules.len(),
+            dir = %self.config.schedules_dir.display(),
+            leader_timeout_ms = self.config.leader_timeout.as_millis() as u64,
+            "scheduler started"
+        );
+        let mut standing_by = false;
+        let mut retry = Retry::new(self.config.standby_retry, Duration::from_secs(30));
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let pause = match Leadership::try_acquire(&self.options, self.config.leader_timeout)
+                .await
+            {
+                Ok(Some(mut leadership)) => {
+                    standing_by = false;
+                    retry.succeeded();
+                    self.gained(&leadership);
+                    let ended = loop {
+                        match self.lead(&mut leadership, &shutdown, &mut reload).await {
+                            Ended::Reload => self.reload(),
+                            other => break other,
+                        }
+                    };
+                    if let Ended::Shutdown = ended {
+                        self.leading.store(false, Ordering::SeqCst);
+                        crate::metrics::record_leadership(false);
+                        leadership.release().await;
+                        info!("scheduler leader stepped down at shutdown");
+                        return Ok(());
+                    }
+                    // The connection is dropped here: nothing more goes through it.
+                    drop(leadership);
+                    self.config.standby_retry
+                }
+                Ok(None) => {
+                    retry.succeeded();
+                    if !standing_by {
+                        info!("another scheduler leads; standing by");
+                        standing_by = true;
+                    }
+                    self.config.standby_retry
+                }
+                Err(err) => {
+                    let pause = retry.failed();
+                    warn!(%err, retry_in_ms = pause.as_millis() as u64, "cannot reach PostgreSQL for leadership");
+                    pause
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                Some(()) = reload.recv() => self.reload(),
+                _ = tokio::time::sleep(pause) => {}
             }
         }
     }

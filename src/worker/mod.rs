@@ -32,6 +32,7 @@ use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::queue::{Backoff, Failure, Job};
+use crate::role::{Role, RoleName};
 
 pub(crate) use executor::Executor;
 pub use executor::{lease_margin, Executed, WorkerReport};
@@ -251,9 +252,15 @@ impl Worker {
         kinds.sort();
         kinds
     }
+}
+
+impl Role for Worker {
+    const NAME: RoleName = RoleName::Worker;
+    type Output = WorkerReport;
+    type Error = WorkerError;
 
     /// Runs until `shutdown` is cancelled, then shuts down as the module doc says.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<WorkerReport, WorkerError> {
+    async fn run(self, shutdown: CancellationToken) -> Result<WorkerReport, WorkerError> {
         self.config.validate()?;
         if self.handlers.is_empty() {
             return Err(WorkerError::Config("no handlers registered".into()));

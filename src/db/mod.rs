@@ -13,7 +13,12 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-/// The migrations in `migrations/`, embedded in the binary.
+pub mod schema;
+
+pub use schema::SchemaState;
+
+/// The migrations in `migrations/`, embedded in the binary: the frozen
+/// baseline and the migrations after it ([`schema`] says how they are judged).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Where a connection goes, without its secrets.
@@ -62,6 +67,8 @@ pub enum DbError {
         #[source]
         source: sqlx::Error,
     },
+    #[error("{target}: {reason}")]
+    Schema { target: Target, reason: String },
     #[error("applying migrations to {target} failed: {source}")]
     Migrate {
         target: Target,
@@ -104,30 +111,24 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
     Ok(pool)
 }
 
-/// How many of the embedded migrations the database has not applied.
-pub async fn pending_migrations<'e>(
-    db: impl sqlx::PgExecutor<'e> + Copy,
-) -> Result<usize, sqlx::Error> {
-    let applied: Vec<i64> =
-        if sqlx::query_scalar::<_, bool>("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-            .fetch_one(db)
-            .await?
-        {
-            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                .fetch_all(db)
-                .await?
-        } else {
-            Vec::new()
-        };
-    Ok(MIGRATOR
-        .iter()
-        .filter(|m| !applied.contains(&m.version))
-        .count())
-}
-
+/// Applies every pending migration, after recording a pre-release schema as
+/// the baseline; refuses, naming the reason, a database this build cannot
+/// stand on ([`schema`]), and applies nothing then.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
+    let target = || Target::of(&pool.connect_options());
+    let checked = |source: sqlx::Error| DbError::Migrate {
+        target: target(),
+        source: Box::new(sqlx::migrate::MigrateError::Execute(source)),
+    };
+    schema::adopt(pool).await.map_err(checked)?;
+    if let SchemaState::Foreign { reason } = schema::state(pool).await.map_err(checked)? {
+        return Err(DbError::Schema {
+            target: target(),
+            reason,
+        });
+    }
     MIGRATOR.run(pool).await.map_err(|source| DbError::Migrate {
-        target: Target::of(&pool.connect_options()),
+        target: target(),
         source: Box::new(source),
     })
 }

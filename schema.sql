@@ -1,0 +1,523 @@
+--
+-- PostgreSQL database dump
+--
+
+
+
+SET statement_timeout = 0;
+SET lock_timeout = 0;
+SET idle_in_transaction_session_timeout = 0;
+SET client_encoding = 'UTF8';
+SET standard_conforming_strings = on;
+SELECT pg_catalog.set_config('search_path', '', false);
+SET check_function_bodies = false;
+SET xmloption = content;
+SET client_min_messages = warning;
+SET row_security = off;
+
+--
+-- Name: almanac; Type: SCHEMA; Schema: -; Owner: -
+--
+
+CREATE SCHEMA almanac;
+
+
+--
+-- Name: claim_outbox(text, integer, integer, bigint, uuid, bigint, timestamp with time zone, bigint); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.claim_outbox(p_sink text, p_lock_class integer, p_lock_key integer, p_limit bigint, p_token uuid, p_lease_ms bigint, p_after_at timestamp with time zone, p_after_id bigint) RETURNS TABLE(id bigint, job_id bigint, destination text, msg_key text, payload text, headers text, attempts integer, available_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_now timestamptz;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'almanac.claim_outbox needs READ COMMITTED, not %',
+            current_setting('transaction_isolation') USING ERRCODE = 'ALM01';
+    END IF;
+    PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM set_config('lock_timeout', '10s', true);
+    PERFORM pg_advisory_xact_lock(p_lock_class, p_lock_key);
+    v_now := clock_timestamp();
+    DELETE FROM almanac.outbox_batches AS b
+    WHERE b.token IN (SELECT e.token FROM almanac.outbox_batches AS e
+                      WHERE e.sink = p_sink AND e.published_at IS NULL AND e.lease_until <= v_now
+                      FOR UPDATE SKIP LOCKED);
+    RETURN QUERY
+    WITH picked AS (
+        SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload::text AS payload,
+            o.headers::text AS headers, o.attempts + 1 AS attempts, o.available_at
+        FROM almanac.outbox AS o
+        WHERE o.sink = p_sink AND o.published_at IS NULL AND o.failed_at IS NULL
+          AND o.available_at <= v_now
+          -- Always an index condition (a generic plan keeps it): the start
+          -- of the index when no position is given.
+          AND (o.available_at, o.id) > (coalesce(p_after_at, '-infinity'), coalesce(p_after_id, 0))
+          AND o.id NOT IN (SELECT unnest(b.ids) FROM almanac.outbox_batches AS b
+                           WHERE b.sink = p_sink AND b.published_at IS NULL
+                             AND b.lease_until > v_now)
+        ORDER BY o.available_at, o.id
+        LIMIT p_limit
+    ), batch AS (
+        INSERT INTO almanac.outbox_batches (token, sink, ids, claimed_at, lease_until)
+        SELECT p_token, p_sink, array_agg(picked.id ORDER BY picked.id), v_now,
+            v_now + p_lease_ms * interval '1 millisecond'
+        FROM picked HAVING count(*) > 0
+    )
+    SELECT * FROM picked;
+END
+$$;
+
+
+--
+-- Name: id_span(bigint[]); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.id_span(ids bigint[]) RETURNS int8range
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT CASE WHEN count(*) > 0 THEN int8range(min(x), max(x), '[]') END
+    FROM unnest(ids) AS x
+$$;
+
+
+--
+-- Name: jobs_take_route(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.jobs_take_route() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || NEW.kind));
+    NEW.route := coalesce((SELECT mode FROM almanac.routes WHERE kind = NEW.kind), 'db');
+    RETURN NEW;
+END $$;
+
+
+--
+-- Name: jobs_to_outbox(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.jobs_to_outbox() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF NEW.status = 'ready' AND NEW.route IN ('dual', 'broker')
+       AND (TG_OP = 'INSERT' OR OLD.status <> 'ready' OR OLD.route = 'db') THEN
+        PERFORM almanac.write_outbox(NEW);
+    END IF;
+    RETURN NULL;
+END $$;
+
+
+SET default_tablespace = '';
+
+SET default_table_access_method = heap;
+
+--
+-- Name: jobs; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.jobs (
+    id bigint NOT NULL,
+    kind text NOT NULL,
+    payload jsonb DEFAULT '{}'::jsonb NOT NULL,
+    status text DEFAULT 'ready'::text NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    attempts integer DEFAULT 0 NOT NULL,
+    max_attempts integer DEFAULT 5 NOT NULL,
+    lease_token uuid,
+    lease_until timestamp with time zone,
+    idempotency_key text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    route text DEFAULT 'db'::text NOT NULL,
+    schedule text,
+    logical_run text,
+    CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
+    CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
+    CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
+    CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
+    CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text]))),
+    CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text])))
+);
+
+
+--
+-- Name: write_outbox(almanac.jobs); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.write_outbox(j almanac.jobs) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    r almanac.routes%ROWTYPE;
+BEGIN
+    SELECT * INTO r FROM almanac.routes WHERE kind = j.kind;
+    IF r.sink IS NULL THEN
+        RAISE EXCEPTION 'job % of kind % is routed to %, but the kind has no sink; run `almanac route set`', j.id, j.kind, j.route;
+    END IF;
+    INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at)
+    VALUES (
+        j.id, r.sink, r.destination,
+        coalesce(j.idempotency_key, 'almanac:job:' || j.id),
+        j.payload,
+        jsonb_build_object(
+            'almanac-job-id', j.id::text,
+            'almanac-kind', j.kind,
+            'almanac-attempt', (j.attempts + 1)::text,
+            'almanac-logical-run', coalesce(j.logical_run, '')),
+        j.run_at);
+    PERFORM pg_notify('almanac_outbox', r.sink);
+END $$;
+
+
+--
+-- Name: jobs_id_seq; Type: SEQUENCE; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME almanac.jobs_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+
+--
+-- Name: outbox; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.outbox (
+    id bigint NOT NULL,
+    job_id bigint NOT NULL,
+    sink text NOT NULL,
+    destination text NOT NULL,
+    msg_key text NOT NULL,
+    payload jsonb NOT NULL,
+    headers jsonb NOT NULL,
+    available_at timestamp with time zone NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    published_at timestamp with time zone,
+    attempts integer DEFAULT 0 NOT NULL,
+    last_error text,
+    failed_at timestamp with time zone,
+    CONSTRAINT outbox_check CHECK (((published_at IS NULL) OR (failed_at IS NULL))),
+    CONSTRAINT outbox_sink_check CHECK ((sink = ANY (ARRAY['kafka'::text, 'rabbitmq'::text])))
+);
+
+
+--
+-- Name: outbox_batches; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.outbox_batches (
+    token uuid NOT NULL,
+    sink text NOT NULL,
+    ids bigint[] NOT NULL,
+    job_ids bigint[] DEFAULT '{}'::bigint[] NOT NULL,
+    claimed_at timestamp with time zone DEFAULT now() NOT NULL,
+    lease_until timestamp with time zone NOT NULL,
+    published_at timestamp with time zone,
+    job_span int8range,
+    CONSTRAINT outbox_batches_sink_check CHECK ((sink = ANY (ARRAY['kafka'::text, 'rabbitmq'::text])))
+);
+ALTER TABLE ONLY almanac.outbox_batches ALTER COLUMN ids SET STORAGE EXTERNAL;
+ALTER TABLE ONLY almanac.outbox_batches ALTER COLUMN job_ids SET STORAGE EXTERNAL;
+
+
+--
+-- Name: outbox_id_seq; Type: SEQUENCE; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.outbox ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME almanac.outbox_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+
+--
+-- Name: routes; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.routes (
+    kind text NOT NULL,
+    mode text NOT NULL,
+    sink text,
+    destination text,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT routes_check CHECK (((mode = 'db'::text) OR ((sink IS NOT NULL) AND (destination IS NOT NULL) AND (destination <> ''::text)))),
+    CONSTRAINT routes_mode_check CHECK ((mode = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text]))),
+    CONSTRAINT routes_sink_check CHECK ((sink = ANY (ARRAY['kafka'::text, 'rabbitmq'::text])))
+);
+
+
+--
+-- Name: schedule_runs; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.schedule_runs (
+    schedule text NOT NULL,
+    logical_run text NOT NULL,
+    fire_at timestamp with time zone NOT NULL,
+    job_id bigint,
+    recorded_at timestamp with time zone DEFAULT now() NOT NULL,
+    source text NOT NULL,
+    outcome text NOT NULL,
+    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text]))),
+    CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text])))
+);
+
+
+--
+-- Name: schedules; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.schedules (
+    name text NOT NULL,
+    cron text NOT NULL,
+    timezone text NOT NULL,
+    kind text NOT NULL,
+    payload jsonb NOT NULL,
+    catchup text NOT NULL,
+    catchup_window interval NOT NULL,
+    start date,
+    overlap text NOT NULL,
+    max_attempts integer NOT NULL,
+    enabled boolean NOT NULL,
+    definition_hash text NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT schedules_catchup_check CHECK ((catchup = ANY (ARRAY['all'::text, 'latest'::text, 'none'::text]))),
+    CONSTRAINT schedules_max_attempts_check CHECK ((max_attempts > 0)),
+    CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text])))
+);
+
+
+--
+-- Name: jobs jobs_idempotency_key_key; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.jobs
+    ADD CONSTRAINT jobs_idempotency_key_key UNIQUE (idempotency_key);
+
+
+--
+-- Name: jobs jobs_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.jobs
+    ADD CONSTRAINT jobs_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: outbox_batches outbox_batches_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.outbox_batches
+    ADD CONSTRAINT outbox_batches_pkey PRIMARY KEY (token);
+
+
+--
+-- Name: outbox outbox_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.outbox
+    ADD CONSTRAINT outbox_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: routes routes_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.routes
+    ADD CONSTRAINT routes_pkey PRIMARY KEY (kind);
+
+
+--
+-- Name: schedule_runs schedule_runs_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_runs
+    ADD CONSTRAINT schedule_runs_pkey PRIMARY KEY (schedule, logical_run);
+
+
+--
+-- Name: schedules schedules_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedules
+    ADD CONSTRAINT schedules_pkey PRIMARY KEY (name);
+
+
+--
+-- Name: jobs_dead_finished_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_dead_finished_idx ON almanac.jobs USING btree (finished_at) WHERE (status = 'dead'::text);
+
+
+--
+-- Name: jobs_dead_kind_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_dead_kind_idx ON almanac.jobs USING btree (kind) WHERE (status = 'dead'::text);
+
+
+--
+-- Name: jobs_done_finished_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_done_finished_idx ON almanac.jobs USING btree (finished_at) WHERE (status = 'done'::text);
+
+
+--
+-- Name: jobs_ready_due_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ready_due_idx ON almanac.jobs USING btree (run_at, id) WHERE (status = 'ready'::text);
+
+
+--
+-- Name: jobs_ready_kind_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ready_kind_idx ON almanac.jobs USING btree (kind, run_at, id) WHERE (status = 'ready'::text);
+
+
+--
+-- Name: jobs_running_lease_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_running_lease_idx ON almanac.jobs USING btree (lease_until) WHERE (status = 'running'::text);
+
+
+--
+-- Name: jobs_schedule_unfinished_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_schedule_unfinished_idx ON almanac.jobs USING btree (schedule) WHERE ((schedule IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'running'::text])));
+
+
+--
+-- Name: outbox_batches_in_flight_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_batches_in_flight_idx ON almanac.outbox_batches USING btree (sink) WHERE (published_at IS NULL);
+
+
+--
+-- Name: outbox_batches_job_span_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_batches_job_span_idx ON almanac.outbox_batches USING gist (job_span) WHERE (published_at IS NOT NULL);
+
+
+--
+-- Name: outbox_batches_published_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_batches_published_idx ON almanac.outbox_batches USING btree (published_at) WHERE (published_at IS NOT NULL);
+
+
+--
+-- Name: outbox_due_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_due_idx ON almanac.outbox USING btree (sink, available_at, id) WHERE ((published_at IS NULL) AND (failed_at IS NULL));
+
+
+--
+-- Name: outbox_failed_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_failed_idx ON almanac.outbox USING btree (sink, failed_at) WHERE (failed_at IS NOT NULL);
+
+
+--
+-- Name: outbox_job_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_job_idx ON almanac.outbox USING btree (job_id);
+
+
+--
+-- Name: outbox_published_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX outbox_published_idx ON almanac.outbox USING btree (published_at) WHERE (published_at IS NOT NULL);
+
+
+--
+-- Name: schedule_runs_fire_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX schedule_runs_fire_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC);
+
+
+--
+-- Name: schedule_runs_job_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id) WHERE (job_id IS NOT NULL);
+
+
+--
+-- Name: schedule_runs_planned_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
+
+
+--
+-- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW EXECUTE FUNCTION almanac.jobs_take_route();
+
+
+--
+-- Name: jobs jobs_to_outbox; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_to_outbox AFTER INSERT OR UPDATE OF status, route ON almanac.jobs FOR EACH ROW WHEN (((new.status = 'ready'::text) AND (new.route = ANY (ARRAY['dual'::text, 'broker'::text])))) EXECUTE FUNCTION almanac.jobs_to_outbox();
+
+
+--
+-- Name: outbox outbox_job_id_fkey; Type: FK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.outbox
+    ADD CONSTRAINT outbox_job_id_fkey FOREIGN KEY (job_id) REFERENCES almanac.jobs(id) ON DELETE CASCADE;
+
+
+--
+-- Name: schedule_runs schedule_runs_job_id_fkey; Type: FK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_runs
+    ADD CONSTRAINT schedule_runs_job_id_fkey FOREIGN KEY (job_id) REFERENCES almanac.jobs(id) ON DELETE SET NULL;
+
+
+--
+-- Name: schedule_runs schedule_runs_schedule_fkey; Type: FK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_runs
+    ADD CONSTRAINT schedule_runs_schedule_fkey FOREIGN KEY (schedule) REFERENCES almanac.schedules(name);
+
+
+--
+-- PostgreSQL database dump complete
+--
+
+
