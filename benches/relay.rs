@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
+use almanac::role::Settings;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -378,7 +379,7 @@ async fn main() -> anyhow::Result<()> {
             batch_size: batch() as i64,
             ..RelayConfig::default()
         };
-        let mut relay = Relay::new(pool.clone(), publisher, config);
+        let mut relay = Relay::new(pool.clone(), publisher, config.validated()?);
         // Warm up as the raw client does: connect, learn the destination,
         // prepare the statements.
         enqueue(&pool, &kind, &format!("{sink}-warm-up"), 1).await?;

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -42,7 +42,8 @@ async fn main() -> anyhow::Result<()> {
         WorkerConfig {
             concurrency: 4,
             ..Default::default()
-        },
+        }
+        .validated()?,
     )
     .register("send_welcome", |ctx: JobContext| async move {
         let user = ctx.job.payload["user_id"]

@@ -176,16 +176,6 @@ pub fn pick(
     flag.or(file).map_or(default, |d| d.0)
 }
 
-pub fn positive(setting: &str, value: Duration) -> Result<(), String> {
-    if value.is_zero() {
-        Err(format!(
-            "{setting} must be longer than 0s; write a duration such as 500ms, 5s or 1m"
-        ))
-    } else {
-        Ok(())
-    }
-}
-
 /// 1-based line and column of a byte offset.
 pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];

@@ -15,7 +15,7 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, JobStatus, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::{JobContext, WorkerConfig};
 use common::brokers::{self, unique};
 use common::{count, eventually};
@@ -88,7 +88,11 @@ async fn enqueue_and_publish(pool: &PgPool, kind: &str, sink: SinkKind) -> i64 {
         .unwrap()
         .id();
     let publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
-    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let mut relay = Relay::new(
+        pool.clone(),
+        publisher,
+        brokers::relay_config().validated().unwrap(),
+    );
     let report = relay.run_once().await.unwrap();
     assert_eq!(report.published, 1);
     id
@@ -194,7 +198,7 @@ async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &brokers::sinks()).unwrap(),
-        brokers::relay_config(),
+        brokers::relay_config().validated().unwrap(),
     );
     assert_eq!(relay.run_once().await.unwrap().published, JOBS as u64);
 
@@ -217,7 +221,9 @@ async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool
             lease: Duration::from_secs(9),
             shutdown_deadline: Duration::from_secs(5),
             ..WorkerConfig::default()
-        },
+        }
+        .validated()
+        .unwrap(),
     };
     let consumer = Consumer::new(proxied, brokers::sinks(), config).register(
         "task",

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use almanac::queue::{self, JobStatus, NewJob};
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::exec::ExecHandler;
 use almanac::worker::{Worker, WorkerConfig};
 use common::eventually;
@@ -64,7 +64,7 @@ async fn commands_get_the_payload_and_environment_and_exit_codes_decide_the_outc
         .unwrap()
         .id();
 
-    let worker = Worker::new(pool.clone(), config())
+    let worker = Worker::new(pool.clone(), config().validated().unwrap())
         .register(
             "ok",
             ExecHandler::new(format!(
@@ -154,7 +154,8 @@ async fn a_command_whose_lease_is_lost_is_killed_with_its_children(pool: PgPool)
         .id();
     // The shell starts a child `sleep` and records its pid.
     let command = format!("sleep 60 & echo $! > {}; wait", pidfile.display());
-    let worker = Worker::new(pool.clone(), config()).register("long", ExecHandler::new(command));
+    let worker = Worker::new(pool.clone(), config().validated().unwrap())
+        .register("long", ExecHandler::new(command));
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("the command to start", Duration::from_secs(15), || async {
@@ -224,7 +225,7 @@ async fn a_command_ends_when_its_shell_ends_background_children_included(pool: P
         .id();
     // The background `sleep` holds the stderr pipe open: reading stderr to
     // EOF would wait ten minutes.
-    let worker = Worker::new(pool.clone(), config())
+    let worker = Worker::new(pool.clone(), config().validated().unwrap())
         .register(
             "leaves_child",
             ExecHandler::new(format!("sleep 600 & echo $! > {}; exit 0", left.display())),
@@ -282,7 +283,8 @@ async fn a_child_that_escapes_the_process_group_cannot_hold_the_job(pool: PgPool
          echo 'could not reach the API' >&2; exit 3",
         pidfile.display()
     );
-    let worker = Worker::new(pool.clone(), config()).register("escape", ExecHandler::new(command));
+    let worker = Worker::new(pool.clone(), config().validated().unwrap())
+        .register("escape", ExecHandler::new(command));
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("the job to die", Duration::from_secs(15), || {

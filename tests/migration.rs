@@ -9,7 +9,7 @@ use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, RelayConfig, SinkKind};
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::{Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
 use common::brokers::{self, unique};
@@ -34,19 +34,21 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
     };
     let log = common::log_pool(&pool, 6).await;
     let stop = CancellationToken::new();
-    let worker = Worker::new(pool.clone(), config.clone())
+    let worker = Worker::new(pool.clone(), config.clone().validated().unwrap())
         .register("task", common::logging_handler(log.clone(), WORKER));
     let worker = tokio::spawn(worker.run(stop.clone()));
     let relay_config = RelayConfig {
         poll_interval: Duration::from_millis(20),
         ..RelayConfig::default()
     };
-    let relay = tokio::spawn(Relay::new(pool.clone(), publisher, relay_config).run(stop.clone()));
+    let relay = tokio::spawn(
+        Relay::new(pool.clone(), publisher, relay_config.validated().unwrap()).run(stop.clone()),
+    );
     let consumer_config = ConsumerConfig {
         sink,
         destination: destination.clone(),
         group: None,
-        worker: config,
+        worker: config.validated().unwrap(),
     };
     let consumer = Consumer::new(pool.clone(), sinks.clone(), consumer_config)
         .register("task", common::logging_handler(log.clone(), CONSUMER));

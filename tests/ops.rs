@@ -308,7 +308,7 @@ async fn metric_families_move_after_real_work(pool: PgPool) {
         poll_interval: Duration::from_millis(50),
         ..WorkerConfig::default()
     };
-    let worker = Worker::new(pool.clone(), config)
+    let worker = Worker::new(pool.clone(), config.validated().unwrap())
         .register(ok.clone(), |_ctx: JobContext| async { Ok(()) })
         .register(flaky.clone(), |_ctx: JobContext| async {
             Err(HandlerError::retry_after("not yet", Duration::ZERO))
@@ -752,7 +752,11 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
     )
     .unwrap_or(0.0);
 
-    let mut relay = Relay::new(pool.clone(), publisher, common::brokers::relay_config());
+    let mut relay = Relay::new(
+        pool.clone(),
+        publisher,
+        common::brokers::relay_config().validated().unwrap(),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         relay.run_once().await.unwrap();

@@ -11,7 +11,7 @@ use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{
     outbox, Failpoint, Publisher, Relay, RelayConfig, RelayError, SinkConfig, SinkKind,
 };
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::{Worker, WorkerConfig};
 use common::brokers::{self, unique};
 use common::{count, eventually};
@@ -61,7 +61,7 @@ fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Co
         sink,
         destination: destination.to_string(),
         group: None,
-        worker: worker_config(),
+        worker: worker_config().validated().unwrap(),
     };
     Consumer::new(pool.clone(), brokers::sinks(), config)
         .register("task", common::logging_handler(log, 1))
@@ -116,7 +116,7 @@ async fn publishes_every_row_with_key_headers_and_id(pool: PgPool, sink: SinkKin
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        brokers::relay_config(),
+        brokers::relay_config().validated().unwrap(),
     );
     let report = relay.run_once().await.unwrap();
     assert_eq!(
@@ -172,7 +172,7 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
     let mut relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        crashing,
+        crashing.validated().unwrap(),
     );
     assert!(matches!(
         relay.run_once().await,
@@ -201,7 +201,9 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
         RelayConfig {
             in_flight_lease: lease,
             ..brokers::relay_config()
-        },
+        }
+        .validated()
+        .unwrap(),
     );
     // Poll until the in-flight lease ends and the rows go out again.
     let mut published = 0;
@@ -261,11 +263,11 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
     let relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
-        brokers::relay_config(),
+        brokers::relay_config().validated().unwrap(),
     );
     let relay = tokio::spawn(relay.run(stop.clone()));
     for _ in 0..2 {
-        let worker = Worker::new(pool.clone(), worker_config())
+        let worker = Worker::new(pool.clone(), worker_config().validated().unwrap())
             .register("task", common::logging_handler(log.clone(), 0));
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
@@ -344,7 +346,11 @@ async fn relays_of_one_sink_publish_each_row_once(pool: PgPool, sink: SinkKind) 
                 batch_size: 7,
                 ..brokers::relay_config()
             };
-            let mut relay = Relay::new(pool.clone(), Publisher::new(sink, &sinks).unwrap(), config);
+            let mut relay = Relay::new(
+                pool.clone(),
+                Publisher::new(sink, &sinks).unwrap(),
+                config.validated().unwrap(),
+            );
             let mut published = 0;
             while unpublished(&pool).await > 0 {
                 published += relay.drain().await.unwrap().published;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, redrive, Publisher, Relay, SinkConfig, SinkKind};
+use almanac::role::Settings;
 use common::brokers::{self, unique, Tansu};
 use common::count;
 use common::proxy::Proxy;
@@ -42,7 +43,11 @@ async fn broker_outage_loses_nothing<C, R>(
     R: AsyncFnMut(),
 {
     let (publisher, _) = routed(&pool, sink, &sinks, "outage").await;
-    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let mut relay = Relay::new(
+        pool.clone(),
+        publisher,
+        brokers::relay_config().validated().unwrap(),
+    );
 
     enqueue(&pool, "before", 10).await;
     assert_eq!(relay.run_once().await.unwrap().published, 10);
@@ -171,7 +176,11 @@ async fn rabbitmq_unroutable_messages_are_returned_and_not_marked(pool: PgPool) 
     let (publisher, conn) = unroutable_route(&pool, "unroutable").await;
 
     enqueue(&pool, "lost", 3).await;
-    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let mut relay = Relay::new(
+        pool.clone(),
+        publisher,
+        brokers::relay_config().validated().unwrap(),
+    );
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.published, report.retried, report.failed), (0, 3, 0));
     let errors: Vec<String> =
@@ -206,7 +215,7 @@ async fn rows_claimed_ahead_are_handed_back_when_a_drain_stops(pool: PgPool) {
         batch_size: 2,
         ..brokers::relay_config()
     };
-    let mut relay = Relay::new(pool.clone(), publisher, config);
+    let mut relay = Relay::new(pool.clone(), publisher, config.validated().unwrap());
     let report = relay.drain().await.unwrap();
     // Two batches went out and come back to be retried; the third, claimed
     // ahead while they were in flight, was never sent.
@@ -416,7 +425,11 @@ async fn an_oversized_message_fails_alone(pool: PgPool, sink: SinkKind) {
     );
     queue::enqueue_many(&mut conn, &batch).await.unwrap();
 
-    let mut relay = Relay::new(pool.clone(), publisher, brokers::relay_config());
+    let mut relay = Relay::new(
+        pool.clone(),
+        publisher,
+        brokers::relay_config().validated().unwrap(),
+    );
     let report = relay.run_once().await.unwrap();
     assert_eq!(
         (report.published, report.retried, report.failed),
@@ -489,7 +502,7 @@ async fn rabbitmq_rows_whose_destination_cannot_be_created_fail_after_max_attemp
         ..brokers::relay_config()
     };
     let publisher = Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap();
-    let mut relay = Relay::new(pool.clone(), publisher, config);
+    let mut relay = Relay::new(pool.clone(), publisher, config.validated().unwrap());
     for attempt in 1..=3 {
         sqlx::query("UPDATE almanac.outbox SET available_at = now() WHERE failed_at IS NULL")
             .execute(&pool)

@@ -11,7 +11,7 @@ use almanac::queue::{self, NewJob};
 use almanac::relay::outbox;
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
-use almanac::role::Role;
+use almanac::role::{Role, Settings};
 use almanac::worker::WorkerConfig;
 use common::brokers::{self, unique};
 use common::{count, eventually};
@@ -30,7 +30,9 @@ fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Co
             poll_interval: Duration::from_millis(50),
             shutdown_deadline: Duration::from_secs(5),
             ..WorkerConfig::default()
-        },
+        }
+        .validated()
+        .unwrap(),
     };
     Consumer::new(pool.clone(), brokers::sinks(), config)
         .register("task", common::logging_handler(log, 1))
@@ -67,7 +69,7 @@ async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i
     let relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &brokers::sinks()).unwrap(),
-        brokers::relay_config(),
+        brokers::relay_config().validated().unwrap(),
     );
     let relay = tokio::spawn(relay.run(stop.clone()));
     let consumer = tokio::spawn(consumer(pool, sink, destination, log).run(stop.clone()));
@@ -218,7 +220,7 @@ async fn stale_snapshot_heals_in_one_sweep(pool: PgPool, before: Option<&str>) {
     let relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &brokers::sinks()).unwrap(),
-        brokers::relay_config(),
+        brokers::relay_config().validated().unwrap(),
     );
     let healed = relay.reconcile().await.unwrap();
     assert_eq!(healed.jobs_moved + healed.rows_readdressed, 1, "{healed:?}");

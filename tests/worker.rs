@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use almanac::maintenance::Reaper;
 use almanac::queue::{self, Backoff, JobStatus, NewJob};
-use almanac::role::{Periodic, Role, Valid};
+use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use common::{count, eventually, log_exec};
 use sqlx::PgPool;
@@ -47,7 +47,7 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
     let stop = CancellationToken::new();
     let mut workers = Vec::new();
     for w in 0..8 {
-        let worker = Worker::new(shared.clone(), fast(8))
+        let worker = Worker::new(shared.clone(), fast(8).validated().unwrap())
             .register("burn", common::logging_handler(shared.clone(), w));
         workers.push(tokio::spawn(worker.run(stop.clone())));
     }
@@ -118,14 +118,17 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
                 lease: Duration::from_millis(600),
                 ..fast(1)
             };
-            let worker = Worker::new(pool, config).register("report", move |ctx: JobContext| {
-                let started = started_tx.clone();
-                async move {
-                    started.send(ctx.job.attempts).unwrap();
-                    std::future::pending::<()>().await;
-                    Ok(())
-                }
-            });
+            let worker = Worker::new(pool, config.validated().unwrap()).register(
+                "report",
+                move |ctx: JobContext| {
+                    let started = started_tx.clone();
+                    async move {
+                        started.send(ctx.job.attempts).unwrap();
+                        std::future::pending::<()>().await;
+                        Ok(())
+                    }
+                },
+            );
             let _ = worker.run(CancellationToken::new()).await;
         });
         die_rx.recv().unwrap();
@@ -156,7 +159,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
 
     let stop = CancellationToken::new();
     let survivor = tokio::spawn(
-        Worker::new(pool.clone(), fast(2))
+        Worker::new(pool.clone(), fast(2).validated().unwrap())
             .register("report", common::logging_handler(pool.clone(), 2))
             .run(stop.clone()),
     );
@@ -195,16 +198,19 @@ async fn a_failing_handler_retries_with_growing_delays_then_dies_with_last_error
     };
     let backoff = config.backoff;
     let log_pool = pool.clone();
-    let worker = Worker::new(pool.clone(), config).register("flaky", move |ctx: JobContext| {
-        let pool = log_pool.clone();
-        async move {
-            log_exec(&pool, ctx.job.id, ctx.job.attempts, 0).await;
-            Err(HandlerError::retry(format!(
-                "upstream said 503 (attempt {})",
-                ctx.job.attempts
-            )))
-        }
-    });
+    let worker = Worker::new(pool.clone(), config.validated().unwrap()).register(
+        "flaky",
+        move |ctx: JobContext| {
+            let pool = log_pool.clone();
+            async move {
+                log_exec(&pool, ctx.job.id, ctx.job.attempts, 0).await;
+                Err(HandlerError::retry(format!(
+                    "upstream said 503 (attempt {})",
+                    ctx.job.attempts
+                )))
+            }
+        },
+    );
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("the job to die", Duration::from_secs(30), || async {
@@ -247,13 +253,15 @@ async fn a_panicking_handler_counts_as_a_retryable_failure(pool: PgPool) {
         .await
         .unwrap()
         .id();
-    let worker =
-        Worker::new(pool.clone(), fast(1)).register("boom", |_ctx: JobContext| async move {
+    let worker = Worker::new(pool.clone(), fast(1).validated().unwrap()).register(
+        "boom",
+        |_ctx: JobContext| async move {
             if true {
                 panic!("index out of range");
             }
             Ok(())
-        });
+        },
+    );
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("the job to die", Duration::from_secs(15), || async {
@@ -288,7 +296,7 @@ async fn shutdown_lets_handlers_finish_in_time_and_releases_the_rest(pool: PgPoo
         shutdown_deadline: Duration::from_millis(800),
         ..fast(4)
     };
-    let worker = Worker::new(pool.clone(), config)
+    let worker = Worker::new(pool.clone(), config.validated().unwrap())
         .register("quick", move |_ctx: JobContext| {
             let (started, finish) = (s1.clone(), release_quick.clone());
             async move {
@@ -349,16 +357,19 @@ async fn a_handler_is_told_when_its_lease_is_lost(pool: PgPool) {
         lease: Duration::from_millis(600),
         ..fast(1)
     };
-    let worker = Worker::new(pool.clone(), config).register("long", move |ctx: JobContext| {
-        let told = told.clone();
-        async move {
-            ctx.cancelled().await;
-            if let Some(tx) = told.lock().unwrap().take() {
-                let _ = tx.send(());
+    let worker = Worker::new(pool.clone(), config.validated().unwrap()).register(
+        "long",
+        move |ctx: JobContext| {
+            let told = told.clone();
+            async move {
+                ctx.cancelled().await;
+                if let Some(tx) = told.lock().unwrap().take() {
+                    let _ = tx.send(());
+                }
+                Err(HandlerError::retry("stopped: lease lost"))
             }
-            Err(HandlerError::retry("stopped: lease lost"))
-        }
-    });
+        },
+    );
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("the job to start", Duration::from_secs(15), || async {
@@ -402,14 +413,17 @@ async fn a_worker_claims_no_more_jobs_than_it_has_free_slots(pool: PgPool) {
         batch_size: 10,
         ..fast(3)
     };
-    let worker = Worker::new(pool.clone(), config).register("slow", move |_ctx: JobContext| {
-        let (gate, started) = (g.clone(), s.clone());
-        async move {
-            started.add_permits(1);
-            gate.acquire().await.unwrap().forget();
-            Ok(())
-        }
-    });
+    let worker = Worker::new(pool.clone(), config.validated().unwrap()).register(
+        "slow",
+        move |_ctx: JobContext| {
+            let (gate, started) = (g.clone(), s.clone());
+            async move {
+                started.add_permits(1);
+                gate.acquire().await.unwrap().forget();
+                Ok(())
+            }
+        },
+    );
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     let _three = tokio::time::timeout(Duration::from_secs(15), started.acquire_many(3))
@@ -468,7 +482,7 @@ async fn a_claim_stuck_behind_a_lock_is_rolled_back_not_left_to_commit(pool: PgP
         lease: Duration::from_millis(1500),
         ..fast(10)
     };
-    let worker = Worker::new(pool.clone(), config)
+    let worker = Worker::new(pool.clone(), config.validated().unwrap())
         .register("locked", |_ctx: JobContext| async move { Ok(()) });
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));

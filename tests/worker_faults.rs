@@ -112,18 +112,19 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
     // until they are told to stop, and record when they did.
     let frozen_stop = CancellationToken::new();
     let handler_log = log.clone();
-    let frozen = Worker::new(through(&proxy, &pool, 6).await, config(lease, JOBS)).register(
-        "report",
-        move |ctx: JobContext| {
-            let log = handler_log.clone();
-            async move {
-                run_started(&log, &ctx, 1).await;
-                ctx.cancelled().await;
-                run_ended(&log, &ctx, 1).await;
-                Err(HandlerError::retry("stopped: lease could not be kept"))
-            }
-        },
-    );
+    let frozen = Worker::new(
+        through(&proxy, &pool, 6).await,
+        (config(lease, JOBS)).validated().unwrap(),
+    )
+    .register("report", move |ctx: JobContext| {
+        let log = handler_log.clone();
+        async move {
+            run_started(&log, &ctx, 1).await;
+            ctx.cancelled().await;
+            run_ended(&log, &ctx, 1).await;
+            Err(HandlerError::retry("stopped: lease could not be kept"))
+        }
+    });
     let frozen = tokio::spawn(frozen.run(frozen_stop.clone()));
     eventually(
         "worker 1 to run every job",
@@ -160,7 +161,7 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
     );
     let reaper = tokio::spawn(reaper.run(stop.clone()));
     let handler_log = log.clone();
-    let survivor = Worker::new(pool.clone(), config(lease, JOBS)).register(
+    let survivor = Worker::new(pool.clone(), (config(lease, JOBS)).validated().unwrap()).register(
         "report",
         move |ctx: JobContext| {
             let log = handler_log.clone();
@@ -250,17 +251,18 @@ async fn a_blip_as_handlers_return_loses_no_outcome(pool: PgPool, blip: Blip) {
     let mut proxy = Proxy::postgres().await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let handler_gate = gate.clone();
-    let worker = Worker::new(through(&proxy, &pool, 8).await, config(lease, JOBS)).register(
-        "task",
-        move |ctx: JobContext| {
-            let (log, gate) = (log.clone(), handler_gate.clone());
-            async move {
-                common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
-                gate.acquire().await.unwrap().forget();
-                Ok(())
-            }
-        },
-    );
+    let worker = Worker::new(
+        through(&proxy, &pool, 8).await,
+        (config(lease, JOBS)).validated().unwrap(),
+    )
+    .register("task", move |ctx: JobContext| {
+        let (log, gate) = (log.clone(), handler_gate.clone());
+        async move {
+            common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+            gate.acquire().await.unwrap().forget();
+            Ok(())
+        }
+    });
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually(
@@ -323,8 +325,9 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
     let mut reports = Vec::new();
     for stop_number in 1..=3 {
         let log = pool.clone();
-        let worker =
-            Worker::new(pool.clone(), config.clone()).register("hang", move |ctx: JobContext| {
+        let worker = Worker::new(pool.clone(), config.clone().validated().unwrap()).register(
+            "hang",
+            move |ctx: JobContext| {
                 let log = log.clone();
                 async move {
                     common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
@@ -332,7 +335,8 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
                     std::future::pending::<()>().await;
                     Ok(())
                 }
-            });
+            },
+        );
         let stop = CancellationToken::new();
         let running = tokio::spawn(worker.run(stop.clone()));
         if stop_number < 3 {
@@ -368,13 +372,14 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_dropped_worker_renews_no_lease(pool: PgPool) {
     let id = enqueue(&pool, "long", 1, 5).await[0];
-    let worker = Worker::new(pool.clone(), config(Duration::from_millis(900), 1)).register(
-        "long",
-        |_ctx: JobContext| async move {
-            std::future::pending::<()>().await;
-            Ok(())
-        },
-    );
+    let worker = Worker::new(
+        pool.clone(),
+        (config(Duration::from_millis(900), 1)).validated().unwrap(),
+    )
+    .register("long", |_ctx: JobContext| async move {
+        std::future::pending::<()>().await;
+        Ok(())
+    });
     // An embedding application gives up on the worker's future.
     let running = tokio::spawn(worker.run(CancellationToken::new()));
     eventually("the job to start", Duration::from_secs(15), || async {
@@ -418,11 +423,14 @@ async fn an_error_with_a_nul_byte_is_recorded_and_frees_its_slot(pool: PgPool) {
         .await
         .unwrap()
         .id();
-    let worker = Worker::new(pool.clone(), config(Duration::from_secs(5), 1))
-        .register("nul", |_ctx: JobContext| async {
-            Err(HandlerError::permanent("bad\0byte"))
-        })
-        .register("ok", |_ctx: JobContext| async { Ok(()) });
+    let worker = Worker::new(
+        pool.clone(),
+        (config(Duration::from_secs(5), 1)).validated().unwrap(),
+    )
+    .register("nul", |_ctx: JobContext| async {
+        Err(HandlerError::permanent("bad\0byte"))
+    })
+    .register("ok", |_ctx: JobContext| async { Ok(()) });
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     eventually("both jobs to finish", Duration::from_secs(30), || async {

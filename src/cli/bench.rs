@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::Ctx;
 use crate::db;
 use crate::queue::{self, Claim};
-use crate::role::Role;
+use crate::role::{Role, Settings};
 use crate::worker::exec::ExecHandler;
 use crate::worker::{JobContext, Worker, WorkerConfig};
 
@@ -267,15 +267,16 @@ async fn raw_burn(pool: &PgPool, connections: usize, batch: usize, n: u64) -> an
 async fn burn(pool: &PgPool, config: WorkerConfig, jobs: u64) -> anyhow::Result<f64> {
     let ran = Arc::new(AtomicU64::new(0));
     let counter = ran.clone();
-    let worker = Worker::new(pool.clone(), config).register(KIND, move |_ctx: JobContext| {
-        counter.fetch_add(1, Ordering::Relaxed);
-        async { Ok(()) }
-    });
+    let worker =
+        Worker::new(pool.clone(), config.validated()?).register(KIND, move |_ctx: JobContext| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            async { Ok(()) }
+        });
     timed_burn(pool, worker, Some((ran, jobs))).await
 }
 
 async fn burn_exec(pool: &PgPool) -> anyhow::Result<f64> {
-    let worker = Worker::new(pool.clone(), WorkerConfig::for_commands())
+    let worker = Worker::new(pool.clone(), WorkerConfig::for_commands().validated()?)
         .register(KIND, ExecHandler::new("true"));
     timed_burn(pool, worker, None).await
 }
@@ -358,11 +359,12 @@ async fn sampled_latency(
     let started_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let started = Arc::new(Notify::new());
     let (slot, signal) = (started_at.clone(), started.clone());
-    let worker = Worker::new(pool.clone(), config).register(KIND, move |_ctx: JobContext| {
-        *slot.lock().expect("latency slot") = Some(Instant::now());
-        signal.notify_one();
-        async { Ok(()) }
-    });
+    let worker =
+        Worker::new(pool.clone(), config.validated()?).register(KIND, move |_ctx: JobContext| {
+            *slot.lock().expect("latency slot") = Some(Instant::now());
+            signal.notify_one();
+            async { Ok(()) }
+        });
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     // Let the worker settle (LISTEN connected, first idle poll done).

@@ -234,6 +234,17 @@ const FLAGS: &[(&str, &str)] = &[
     ("[janitor] outbox_retention", "--outbox-retention"),
     ("[janitor] batch_size", "--janitor-batch"),
     ("[metrics] interval", "--metrics-interval"),
+    ("[worker] concurrency", "--concurrency"),
+    ("[worker] batch_size", "--batch-size"),
+    ("[worker] lease", "--lease"),
+    ("[worker] poll_interval", "--poll-interval"),
+    ("[relay] batch_size", "--relay-batch-size"),
+    ("[relay] max_publish_attempts", "--max-publish-attempts"),
+    ("[relay] in_flight_lease", "--in-flight-lease"),
+    ("[relay] redrive_after", "--redrive-after"),
+    ("[relay] reconcile_interval", "--reconcile-interval"),
+    ("[scheduler] leader_timeout", "--leader-timeout"),
+    ("[scheduler] standby_retry", "--standby-retry"),
 ];
 
 /// A setting's error as a person at the command line reads it: the flag,

@@ -136,11 +136,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             },
             ..d
         };
-        crate::config::positive(
-            "--standby-retry ([scheduler] standby_retry)",
-            config.standby_retry,
-        )
-        .map_err(anyhow::Error::msg)?;
+        let config = config.validated().map_err(super::invalid)?;
         Some(Scheduler::new(ctx.connect_options()?, config)?)
     } else {
         None

@@ -7,6 +7,7 @@ use super::Ctx;
 use crate::broker::SinkConfig;
 use crate::config::{pick, HumanDuration};
 use crate::relay::RelayConfig;
+use crate::role::{Settings, Valid};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SinkFlags {
@@ -88,7 +89,7 @@ pub struct RelayFlags {
 impl RelayFlags {
     /// The relay's settings: these flags, then `[relay]` in the config
     /// file, then the defaults; validated against `sinks`.
-    pub fn resolve(&self, ctx: &Ctx, sinks: &SinkConfig) -> anyhow::Result<RelayConfig> {
+    pub fn resolve(&self, ctx: &Ctx, sinks: &SinkConfig) -> anyhow::Result<Valid<RelayConfig>> {
         let file = &ctx.config.relay;
         let d = RelayConfig::default();
         let config = RelayConfig {
@@ -113,14 +114,7 @@ impl RelayFlags {
             redrive_after: pick(self.redrive_after, file.redrive_after, d.redrive_after),
             ..d
         };
-        crate::config::positive(
-            "--redrive-after ([relay] redrive_after)",
-            config.redrive_after,
-        )
-        .map_err(anyhow::Error::msg)?;
-        if let Err(message) = config.validate() {
-            bail!("{message}");
-        }
+        let config = config.validated().map_err(super::invalid)?;
         if config.in_flight_lease <= sinks.ack_timeout {
             bail!(
                 "--in-flight-lease ({:?}) must be longer than --ack-timeout ({:?}): a batch still waiting for acks would be claimed again",

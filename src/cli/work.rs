@@ -5,7 +5,7 @@ use anyhow::bail;
 use super::Ctx;
 use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
-use crate::role::{Role, RoleName};
+use crate::role::{Role, RoleName, Settings, Valid};
 use crate::supervisor::Supervisor;
 use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
 use crate::worker::{Worker, WorkerConfig};
@@ -52,7 +52,7 @@ pub struct WorkerFlags {
 }
 
 impl WorkerFlags {
-    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<WorkerConfig> {
+    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<Valid<WorkerConfig>> {
         let file = &ctx.config.worker;
         let defaults = WorkerConfig::for_commands();
         let concurrency = self
@@ -78,8 +78,7 @@ impl WorkerFlags {
             ),
             ..defaults
         };
-        config.validate()?;
-        Ok(config)
+        config.validated().map_err(super::invalid)
     }
 
     pub fn command_timeout(&self, ctx: &Ctx) -> Option<std::time::Duration> {

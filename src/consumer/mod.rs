@@ -41,7 +41,7 @@ use tracing::warn;
 use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::queue::{self, QueueError};
 use crate::retry::Retry;
-use crate::role::{Role, RoleName};
+use crate::role::{Role, RoleName, Valid};
 use crate::worker::{Executed, Executor, Handler, WorkerConfig, WorkerReport};
 
 /// The header carrying the job id.
@@ -54,17 +54,15 @@ pub struct ConsumerConfig {
     /// Kafka consumer group [default: `almanac-<destination>`].
     pub group: Option<String>,
     /// Lease, backoff and (RabbitMQ) concurrency; the same settings as a worker.
-    pub worker: WorkerConfig,
+    pub worker: Valid<WorkerConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConsumerError {
     #[error(transparent)]
     Sink(#[from] SinkError),
-    #[error("no handlers registered")]
+    #[error("a consumer needs at least one handler; register one before run")]
     NoHandlers,
-    #[error(transparent)]
-    Config(#[from] crate::worker::WorkerError),
 }
 
 /// What a consumer did before it stopped.
@@ -225,7 +223,6 @@ impl Role for Consumer {
         if self.handlers.is_empty() {
             return Err(ConsumerError::NoHandlers);
         }
-        self.config.worker.validate()?;
         let this = Arc::new(self);
         let executor = Executor::start(this.pool.clone(), this.config.worker.clone());
         // The broker loop stops taking messages on `stop`, then waits for the

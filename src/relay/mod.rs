@@ -61,7 +61,7 @@ use tracing::{debug, info, warn};
 pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
 use crate::queue::{routing, Backoff};
 use crate::retry::Retry;
-use crate::role::{Role, RoleName};
+use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
 pub use publisher::{InFlight, Publisher};
 
@@ -117,26 +117,31 @@ impl Default for RelayConfig {
 /// of `almanac.outbox_batches`, and its messages are in memory at once.
 pub const MAX_BATCH_SIZE: i64 = 10_000;
 
-impl RelayConfig {
-    pub fn validate(&self) -> Result<(), String> {
+impl Settings for RelayConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
         if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
-            return Err(format!(
-                "--relay-batch-size ([relay] batch_size) is {}; it must be between 1 and {MAX_BATCH_SIZE}",
-                self.batch_size
-            ));
+            return Err(InvalidSetting {
+                setting: "[relay] batch_size",
+                problem: format!(
+                    "is {}; it must be between 1 and {MAX_BATCH_SIZE}",
+                    self.batch_size
+                ),
+            });
         }
-        if self.max_publish_attempts < 1 {
-            return Err(format!(
-                "--max-publish-attempts is {}; it must be at least 1",
-                self.max_publish_attempts
-            ));
-        }
+        InvalidSetting::at_least(
+            "[relay] max_publish_attempts",
+            self.max_publish_attempts.into(),
+            1,
+        )?;
         if self.in_flight_lease < Duration::from_secs(1) {
-            return Err(format!(
-                "the in-flight lease is {:?}; it must be at least 1s",
-                self.in_flight_lease
-            ));
+            return Err(InvalidSetting {
+                setting: "[relay] in_flight_lease",
+                problem: format!("is {:?}; it must be at least 1s", self.in_flight_lease),
+            });
         }
+        InvalidSetting::positive("[relay] poll_interval", self.poll_interval)?;
+        InvalidSetting::positive("[relay] redrive_after", self.redrive_after)?;
+        InvalidSetting::positive("[relay] reconcile_interval", self.reconcile_interval)?;
         Ok(())
     }
 }
@@ -147,8 +152,6 @@ pub enum RelayError {
     Db(#[from] sqlx::Error),
     #[error("failpoint {0:?} reached; the claimed rows were left in flight")]
     Failpoint(Failpoint),
-    #[error("invalid relay config: {0}")]
-    Config(String),
     #[error("a relay task ended abnormally: {0}")]
     Task(String),
 }
@@ -183,7 +186,7 @@ enum Outcome {
 pub struct Relay {
     pool: PgPool,
     publisher: Publisher,
-    config: RelayConfig,
+    config: Valid<RelayConfig>,
     /// Where the re-drive sweep goes on.
     redrive_from: Option<routing::RedriveCursor>,
     /// When a claim last started from the start of the due rows.
@@ -198,7 +201,7 @@ pub struct Relay {
 const CLAIM_FROM_START_EVERY: Duration = Duration::from_secs(1);
 
 impl Relay {
-    pub fn new(pool: PgPool, publisher: Publisher, config: RelayConfig) -> Self {
+    pub fn new(pool: PgPool, publisher: Publisher, config: Valid<RelayConfig>) -> Self {
         Relay {
             pool,
             publisher,
@@ -450,7 +453,6 @@ impl Role for Relay {
     /// Drains, maintains and waits (LISTEN or the poll interval) until
     /// `shutdown`, then flushes the producer within 10 s.
     async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
-        self.config.validate().map_err(RelayError::Config)?;
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
         let mut listener = listen(&self.pool).await;

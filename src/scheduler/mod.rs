@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::retry::Retry;
-use crate::role::{Role, RoleName};
+use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 use leader::{LeaderLost, Leadership};
 use ledger::Recorded;
 use spec::Schedule;
@@ -88,28 +88,24 @@ impl Default for SchedulerConfig {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("leader timeout {0:?} (--leader-timeout, ALMANAC_LEADER_TIMEOUT) is too short; use at least 1s (the default is 10s)")]
-    LeaderTimeout(Duration),
-    #[error("{0} must be more than zero")]
-    Zero(&'static str),
+impl Settings for SchedulerConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
+        if self.leader_timeout < Duration::from_secs(1) {
+            return Err(InvalidSetting {
+                setting: "[scheduler] leader_timeout",
+                problem: format!(
+                    "is {:?}, too short; use at least 1s (the default is 10s)",
+                    self.leader_timeout
+                ),
+            });
+        }
+        InvalidSetting::positive("[scheduler] standby_retry", self.standby_retry)?;
+        InvalidSetting::positive("[scheduler] max_sleep", self.max_sleep)?;
+        Ok(())
+    }
 }
 
 impl SchedulerConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.leader_timeout < Duration::from_secs(1) {
-            return Err(ConfigError::LeaderTimeout(self.leader_timeout));
-        }
-        if self.standby_retry.is_zero() {
-            return Err(ConfigError::Zero("standby retry"));
-        }
-        if self.max_sleep.is_zero() {
-            return Err(ConfigError::Zero("max sleep"));
-        }
-        Ok(())
-    }
-
     /// The longest the leader stays silent on its lock session.
     pub fn heartbeat(&self) -> Duration {
         self.max_sleep.min(self.leader_timeout / 3)
@@ -126,8 +122,6 @@ impl SchedulerConfig {
 pub enum SchedulerError {
     #[error(transparent)]
     Load(#[from] spec::LoadError),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
 }
 
 /// A signed duration such as `5m`, `-90s` or `+1h` (for `clock_offset`).
@@ -161,7 +155,7 @@ pub fn pause(
 
 pub struct Scheduler {
     options: PgConnectOptions,
-    config: SchedulerConfig,
+    config: Valid<SchedulerConfig>,
     schedules: Vec<Schedule>,
     leading: Arc<AtomicBool>,
     /// A message here reloads the schedule files (SIGHUP in `almanac run`).
@@ -176,8 +170,10 @@ enum Ended {
 
 impl Scheduler {
     /// Loads the schedule files now, so a bad file fails the start.
-    pub fn new(options: PgConnectOptions, config: SchedulerConfig) -> Result<Self, SchedulerError> {
-        config.validate()?;
+    pub fn new(
+        options: PgConnectOptions,
+        config: Valid<SchedulerConfig>,
+    ) -> Result<Self, SchedulerError> {
         let schedules = spec::load_dir(&config.schedules_dir)?;
         Ok(Scheduler {
             options,
@@ -432,7 +428,7 @@ mod tests {
             leader_timeout: Duration::from_millis(500),
             ..config
         }
-        .validate()
+        .validated()
         .is_err());
     }
 }

@@ -68,6 +68,7 @@ use record::{record, Outcome, Write};
 use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
 use crate::metrics;
 use crate::queue::{self, Job, QueueError};
+use crate::role::Valid;
 
 /// How long before the lease may run out the executor cancels a handler
 /// whose lease it could not renew; see the module doc for why a fifth.
@@ -164,7 +165,7 @@ async fn bounded<T>(
 
 struct Inner {
     pool: PgPool,
-    config: WorkerConfig,
+    config: Valid<WorkerConfig>,
     margin: Duration,
     slots: Arc<Semaphore>,
     flights: Mutex<HashMap<i64, Flight>>,
@@ -206,7 +207,7 @@ pub(crate) struct Executor {
 
 impl Executor {
     /// Starts the heartbeat loop and the outcome recorder.
-    pub fn start(pool: PgPool, config: WorkerConfig) -> Executor {
+    pub fn start(pool: PgPool, config: Valid<WorkerConfig>) -> Executor {
         let inner = Arc::new(Inner {
             pool,
             margin: lease_margin(config.lease),

@@ -32,7 +32,7 @@ use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::queue::{Backoff, Failure, Job};
-use crate::role::{Role, RoleName};
+use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 
 pub(crate) use executor::Executor;
 pub use executor::{lease_margin, Executed, WorkerReport};
@@ -202,25 +202,24 @@ impl WorkerConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    #[error("invalid worker config: {0}")]
-    Config(String),
+    #[error("a worker needs at least one handler; register one before run")]
+    NoHandlers,
 }
 
-impl WorkerConfig {
-    pub fn validate(&self) -> Result<(), WorkerError> {
-        let bad = |m: &str| Err(WorkerError::Config(m.to_string()));
-        if self.concurrency == 0 {
-            return bad("concurrency must be at least 1");
-        }
-        if self.batch_size == 0 {
-            return bad("batch_size must be at least 1");
-        }
+impl Settings for WorkerConfig {
+    fn check(&self) -> Result<(), InvalidSetting> {
+        InvalidSetting::at_least("[worker] concurrency", self.concurrency as i64, 1)?;
+        InvalidSetting::at_least("[worker] batch_size", self.batch_size as i64, 1)?;
         if self.lease < Duration::from_millis(300) {
-            return bad("lease must be at least 300ms (heartbeats run every third of it)");
+            return Err(InvalidSetting {
+                setting: "[worker] lease",
+                problem: format!(
+                    "is {:?}; it must be at least 300ms (heartbeats run every third of it)",
+                    self.lease
+                ),
+            });
         }
-        if self.poll_interval.is_zero() {
-            return bad("poll_interval must be above zero");
-        }
+        InvalidSetting::positive("[worker] poll_interval", self.poll_interval)?;
         Ok(())
     }
 }
@@ -228,12 +227,12 @@ impl WorkerConfig {
 /// A worker: handlers by kind, and the settings to run them with.
 pub struct Worker {
     pool: PgPool,
-    config: WorkerConfig,
+    config: Valid<WorkerConfig>,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
 
 impl Worker {
-    pub fn new(pool: PgPool, config: WorkerConfig) -> Self {
+    pub fn new(pool: PgPool, config: Valid<WorkerConfig>) -> Self {
         Worker {
             pool,
             config,
@@ -261,9 +260,8 @@ impl Role for Worker {
 
     /// Runs until `shutdown` is cancelled, then shuts down as the module doc says.
     async fn run(self, shutdown: CancellationToken) -> Result<WorkerReport, WorkerError> {
-        self.config.validate()?;
         if self.handlers.is_empty() {
-            return Err(WorkerError::Config("no handlers registered".into()));
+            return Err(WorkerError::NoHandlers);
         }
         Ok(runner::run(self.pool, self.config, self.handlers, shutdown).await)
     }

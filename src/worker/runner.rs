@@ -17,10 +17,11 @@ use super::{Handler, WorkerConfig};
 use crate::db;
 use crate::queue::{self, Claim, QueueError, NOTIFY_CHANNEL};
 use crate::retry::Retry;
+use crate::role::Valid;
 
 pub(super) async fn run(
     pool: PgPool,
-    config: WorkerConfig,
+    config: Valid<WorkerConfig>,
     handlers: HashMap<String, Arc<dyn Handler>>,
     shutdown: CancellationToken,
 ) -> WorkerReport {
