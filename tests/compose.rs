@@ -1,5 +1,5 @@
 //! docker-compose.yml cannot run here (no image registry), so its shape is
-//! checked instead: every service the README names is there with a
+//! checked instead: every service docs/operations.md names is there with a
 //! healthcheck, dependencies wait for health, the service's HTTP port is
 //! published, and `target/` stays out of the build context.
 
@@ -12,15 +12,15 @@ fn root(path: &str) -> String {
         .unwrap_or_else(|e| panic!("reading {path}: {e}"))
 }
 
-/// The service names in the README's "Docker Compose" section: the
+/// The service names in docs/operations.md's "Docker Compose" section: the
 /// backticked words of its `Services:` sentence, when
 /// a word is a bare name (not a command).
 fn readme_services() -> BTreeSet<String> {
-    let readme = root("README.md");
+    let readme = root("docs/operations.md");
     let section = readme
         .split("\n## ")
         .find(|s| s.starts_with("Docker Compose"))
-        .expect("the README has a `## Docker Compose` section");
+        .expect("docs/operations.md has a `## Docker Compose` section");
     let start = section
         .find("\nServices:")
         .expect("the Docker Compose section has a `Services:` sentence");

@@ -687,22 +687,23 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
     );
 }
 
-/// The `almanac.toml` sample in the README loads verbatim and validates.
+/// The `almanac.toml` sample in docs/operations.md loads verbatim and validates.
 #[test]
 fn the_readme_config_sample_loads_verbatim() {
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+            .unwrap();
     let section = readme
         .split("\n## Configuration")
         .nth(1)
-        .expect("the README has a Configuration section");
+        .expect("docs/operations.md has a Configuration section");
     let sample = section
         .split("```toml\n")
         .nth(1)
         .and_then(|s| s.split("```").next())
         .expect("the Configuration section has a toml sample");
-    let config = almanac::config::Config::parse(std::path::Path::new("README.md"), sample)
-        .unwrap_or_else(|e| panic!("the README's sample is rejected: {e}"));
+    let config = almanac::config::Config::parse(std::path::Path::new("docs/operations.md"), sample)
+        .unwrap_or_else(|e| panic!("the docs' sample is rejected: {e}"));
     assert!(config.http_addr.is_some() && config.janitor.done_retention.is_some());
     assert!(config.reaper.batch_size.is_some() && config.relay.amqp_url.is_some());
 }
