@@ -8,6 +8,7 @@
 //! back to a default. `database_url` may hold a password; it is never logged.
 
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -26,7 +27,7 @@ pub struct Config {
     pub roles: Option<Vec<crate::role::RoleName>>,
     pub schedules_dir: Option<PathBuf>,
     /// HTTP endpoint (`/healthz`, `/readyz`, `/metrics`): HOST:PORT or `off`.
-    pub http_addr: Option<crate::http::HttpAddr>,
+    pub http_addr: Option<HttpAddr>,
     /// `USER:PASSWORD` guarding the HTTP endpoint; never logged.
     pub http_basic_auth: Option<String>,
     /// Let the dashboard retry dead jobs (`--ui-actions`); default read-only.
@@ -174,6 +175,42 @@ pub fn pick(
     default: Duration,
 ) -> Duration {
     flag.or(file).map_or(default, |d| d.0)
+}
+
+/// Where the HTTP endpoint listens (`--http-addr`, `http_addr`): an
+/// address, or `off`. Parsed here with the other setting values; served by
+/// [`crate::http`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpAddr(pub Option<SocketAddr>);
+
+impl HttpAddr {
+    pub const RUN_DEFAULT: HttpAddr = HttpAddr(Some(SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        9797,
+    ))));
+    pub const OFF: HttpAddr = HttpAddr(None);
+}
+
+impl FromStr for HttpAddr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(HttpAddr::OFF);
+        }
+        s.parse::<SocketAddr>().map(|a| HttpAddr(Some(a))).map_err(|_| {
+            format!("`{s}` is not an address to listen on; write HOST:PORT with an IP (127.0.0.1:9797, [::1]:9797, 0.0.0.0:9797) or `off`")
+        })
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for HttpAddr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 /// 1-based line and column of a byte offset.

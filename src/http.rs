@@ -29,39 +29,9 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-/// `--http-addr`: an address to listen on, or `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HttpAddr(pub Option<SocketAddr>);
+use crate::metrics::Metrics;
 
-impl HttpAddr {
-    pub const RUN_DEFAULT: HttpAddr = HttpAddr(Some(SocketAddr::V4(std::net::SocketAddrV4::new(
-        std::net::Ipv4Addr::LOCALHOST,
-        9797,
-    ))));
-    pub const OFF: HttpAddr = HttpAddr(None);
-}
-
-impl FromStr for HttpAddr {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let s = s.trim();
-        if s.eq_ignore_ascii_case("off") {
-            return Ok(HttpAddr::OFF);
-        }
-        s.parse::<SocketAddr>().map(|a| HttpAddr(Some(a))).map_err(|_| {
-            format!("`{s}` is not an address to listen on; write HOST:PORT with an IP (127.0.0.1:9797, [::1]:9797, 0.0.0.0:9797) or `off`")
-        })
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for HttpAddr {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d)?
-            .parse()
-            .map_err(serde::de::Error::custom)
-    }
-}
+pub use crate::config::HttpAddr;
 
 /// `USER:PASSWORD` for HTTP basic auth; `Debug` never shows the password.
 #[derive(Clone, PartialEq, Eq)]
@@ -134,6 +104,7 @@ pub struct HttpServer {
     listener: TcpListener,
     router: Router,
     auth: Option<Arc<BasicAuth>>,
+    metrics: Metrics,
 }
 
 #[derive(Clone)]
@@ -160,17 +131,23 @@ impl HttpServer {
             .acquire_timeout(PROBE_DEADLINE)
             .connect_lazy_with(database.clone().application_name("almanac-readyz"));
         let auth = auth.map(Arc::new);
-        let guarded = guard(Router::new().route("/metrics", get(metrics)), &auth);
         let router = Router::new()
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
-            .merge(guarded)
             .with_state(AppState { probe });
         Ok(HttpServer {
             listener,
             router,
             auth,
+            metrics: Metrics::new(),
         })
+    }
+
+    /// Renders `metrics` at `/metrics`: the handle the process gave its
+    /// roles (by default, an empty registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Whether basic auth guards `/metrics` and what is mounted.
@@ -193,7 +170,11 @@ impl HttpServer {
     /// Serves until `shutdown` is cancelled.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), HttpError> {
         tracing::info!(addr = %self.local_addr(), "HTTP endpoint listening");
-        let serving = axum::serve(self.listener, self.router)
+        let scrape = Router::new()
+            .route("/metrics", get(render))
+            .with_state(self.metrics);
+        let router = self.router.merge(guard(scrape, &self.auth));
+        let serving = axum::serve(self.listener, router)
             .with_graceful_shutdown(shutdown.clone().cancelled_owned());
         // Open connections get a moment to finish after the stop request; a
         // client that never completes its request cannot hold the process.
@@ -269,13 +250,13 @@ async fn ready(probe: &PgPool) -> Result<(), String> {
     state.problem().map_or(Ok(()), Err)
 }
 
-async fn metrics() -> impl IntoResponse {
+async fn render(State(metrics): State<Metrics>) -> impl IntoResponse {
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        crate::metrics::global().render(),
+        metrics.render(),
     )
 }
 

@@ -16,9 +16,10 @@
 //! - [`maintenance`]: the reaper, which returns expired leases to `ready` (or
 //!   `dead`), and the janitor, which deletes finished jobs and published outbox
 //!   rows past retention; both in short SKIP LOCKED batches.
-//! - [`http`] and [`metrics`]: `/healthz`, `/readyz`, `/metrics` (Prometheus),
-//!   the collector that refreshes the database figures, and the snapshot
-//!   `almanac stats` prints.
+//! - [`http`] and [`metrics`]: `/healthz`, `/readyz`, `/metrics` (Prometheus);
+//!   `metrics` is a leaf handed to every role. [`stats`]: the snapshot of
+//!   database figures `almanac stats` prints and the collector role that
+//!   sets the gauges from it.
 //! - [`config`]: `almanac.toml`, overridden by `ALMANAC_*` variables and flags.
 //! - [`cli`]: one file per subcommand; `src/main.rs` only dispatches.
 //! - [`scheduler`]: cron, DST timeline, schedule files, run ledger, leader.
@@ -48,6 +49,7 @@ pub mod relay;
 pub mod retry;
 pub mod role;
 pub mod scheduler;
+pub mod stats;
 pub mod supervisor;
 pub mod ui;
 pub mod worker;

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::redact::redact_url;
+use crate::role::{InvalidSetting, Settings};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -72,35 +73,31 @@ pub struct SinkConfig {
     pub max_message_bytes: usize,
 }
 
-impl SinkConfig {
+impl Settings for SinkConfig {
     /// Refuses settings that would fail every row (and so bury every
-    /// broker job) or hang the relay; the message names the flag.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.kafka_partitions < 1 {
-            return Err(format!(
-                "--kafka-partitions ([relay] kafka_partitions) must be at least 1, got {}",
-                self.kafka_partitions
-            ));
-        }
+    /// broker job) or hang the relay.
+    fn check(&self) -> Result<(), InvalidSetting> {
+        InvalidSetting::at_least("[relay] kafka_partitions", self.kafka_partitions.into(), 1)?;
         if self.kafka_replication < 1 && self.kafka_replication != -1 {
-            return Err(format!(
-                "--kafka-replication ([relay] kafka_replication) must be at least 1 (or -1 for the broker's default), got {}",
-                self.kafka_replication
-            ));
+            return Err(InvalidSetting {
+                setting: "[relay] kafka_replication",
+                problem: format!(
+                    "must be at least 1 (or -1 for the broker's default), got {}",
+                    self.kafka_replication
+                ),
+            });
         }
         if self.ack_timeout < Duration::from_millis(100) {
-            return Err(format!(
-                "--ack-timeout ([relay] ack_timeout) must be at least 100ms, got {:?}",
-                self.ack_timeout
-            ));
+            return Err(InvalidSetting {
+                setting: "[relay] ack_timeout",
+                problem: format!("must be at least 100ms, got {:?}", self.ack_timeout),
+            });
         }
-        if self.max_message_bytes < 1024 {
-            return Err(format!(
-                "--max-message-bytes must be at least 1024, got {}",
-                self.max_message_bytes
-            ));
-        }
-        Ok(())
+        InvalidSetting::at_least(
+            "[relay] max_message_bytes",
+            i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX),
+            1024,
+        )
     }
 }
 

@@ -7,6 +7,7 @@ use super::work::WorkerFlags;
 use super::Ctx;
 use crate::consumer::{Consumer, ConsumerConfig};
 use crate::http::HttpAddr;
+use crate::metrics::Metrics;
 use crate::relay::SinkKind;
 use crate::role::{Role, RoleName};
 use crate::supervisor::Supervisor;
@@ -58,12 +59,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         group: args.group,
         worker,
     };
-    let mut consumer = Consumer::new(pool, sinks, config);
+    let metrics = Metrics::new();
+    let mut consumer = Consumer::new(pool, sinks, config).with_metrics(metrics.clone());
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
     let mut supervisor = Supervisor::new().grace(grace);
     if let Some(server) = http {
+        let server = server.with_metrics(metrics);
         supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     let token = supervisor.token();

@@ -5,6 +5,8 @@
 mod backfill;
 mod bench;
 mod consume;
+#[cfg(test)]
+mod doc_samples;
 mod enqueue;
 mod janitor;
 mod jobs;
@@ -243,6 +245,10 @@ const FLAGS: &[(&str, &str)] = &[
     ("[relay] in_flight_lease", "--in-flight-lease"),
     ("[relay] redrive_after", "--redrive-after"),
     ("[relay] reconcile_interval", "--reconcile-interval"),
+    ("[relay] kafka_partitions", "--kafka-partitions"),
+    ("[relay] kafka_replication", "--kafka-replication"),
+    ("[relay] ack_timeout", "--ack-timeout"),
+    ("[relay] max_message_bytes", "--max-message-bytes"),
     ("[scheduler] leader_timeout", "--leader-timeout"),
     ("[scheduler] standby_retry", "--standby-retry"),
 ];

@@ -15,10 +15,11 @@ use super::{Ctx, SchedulesDir};
 use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
 use crate::maintenance::{Janitor, Reaper, ReaperConfig};
-use crate::metrics::{Collector, CollectorConfig};
+use crate::metrics::Metrics;
 use crate::relay::{Publisher, Relay};
 use crate::role::{RoleName, Settings};
 use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::stats::{Collector, CollectorConfig};
 use crate::supervisor::Supervisor;
 
 #[derive(Debug, clap::Args)]
@@ -156,10 +157,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     // Last before the database: a taken port fails the start, nothing applied.
     let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
     let pool = ctx.migrated_pool(8).await?;
+    // One registry for the process: every role counts into it, /metrics renders it.
+    let metrics = Metrics::new();
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);
-        let server = server.mount(crate::ui::router(&pool, ui));
+        let server = server
+            .mount(crate::ui::router(&pool, ui))
+            .with_metrics(metrics.clone());
         supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     if let Some(scheduler) = scheduler {
@@ -174,19 +179,22 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 let _ = reload_tx.try_send(());
             }
         });
-        supervisor.spawn_role(scheduler.reload_on(reload_rx));
+        supervisor.spawn_role(scheduler.reload_on(reload_rx).with_metrics(metrics.clone()));
     }
     if wants(RoleName::Reaper) {
-        supervisor.spawn_role(Reaper::new(pool.clone(), reaper));
+        supervisor.spawn_role(Reaper::new(pool.clone(), reaper).with_metrics(metrics.clone()));
     }
     if wants(RoleName::Janitor) {
-        supervisor.spawn_role(Janitor::new(pool.clone(), janitor));
+        supervisor.spawn_role(Janitor::new(pool.clone(), janitor).with_metrics(metrics.clone()));
     }
     if wants(RoleName::Metrics) {
-        supervisor.spawn_role(Collector::new(pool.clone(), collector));
+        supervisor
+            .spawn_role(Collector::new(pool.clone(), collector).with_metrics(metrics.clone()));
     }
     for publisher in publishers {
-        supervisor.spawn_role(Relay::new(pool.clone(), publisher, relay.clone()));
+        supervisor.spawn_role(
+            Relay::new(pool.clone(), publisher, relay.clone()).with_metrics(metrics.clone()),
+        );
     }
     let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
     tracing::info!(roles = %names.join(","), "almanac running");

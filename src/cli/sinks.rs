@@ -61,7 +61,7 @@ impl SinkFlags {
                 .or(file.max_message_bytes)
                 .unwrap_or(defaults.max_message_bytes),
         };
-        config.validate().map_err(anyhow::Error::msg)?;
+        config.check().map_err(super::invalid)?;
         Ok(config)
     }
 }

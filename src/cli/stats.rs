@@ -3,7 +3,7 @@
 //! kind, expired leases, the outbox per sink, and who leads the scheduler.
 
 use super::Ctx;
-use crate::metrics::Snapshot;
+use crate::stats::Snapshot;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

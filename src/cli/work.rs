@@ -5,6 +5,7 @@ use anyhow::bail;
 use super::Ctx;
 use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
+use crate::metrics::Metrics;
 use crate::role::{Role, RoleName, Settings, Valid};
 use crate::supervisor::Supervisor;
 use crate::worker::exec::{parse_env_name, parse_handler_spec, ExecHandler};
@@ -120,12 +121,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     // Off unless set, so several workers can share a host.
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
     let pool = ctx.migrated_pool(4).await?;
-    let mut worker = Worker::new(pool, config);
+    let metrics = Metrics::new();
+    let mut worker = Worker::new(pool, config).with_metrics(metrics.clone());
     for (kind, command) in args.handlers {
         worker = worker.register(kind, args.worker.exec_handler(ctx, command));
     }
     let mut supervisor = Supervisor::new().grace(grace);
     if let Some(server) = http {
+        let server = server.with_metrics(metrics);
         supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     let token = supervisor.token();

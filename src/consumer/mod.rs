@@ -39,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::broker::{SinkConfig, SinkError, SinkKind};
+use crate::metrics::Metrics;
 use crate::queue::{self, QueueError};
 use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
@@ -103,6 +104,7 @@ pub struct Consumer {
     config: ConsumerConfig,
     handlers: HashMap<String, Arc<dyn Handler>>,
     counters: Arc<Counters>,
+    metrics: Metrics,
 }
 
 /// Why a message's job could not be claimed; the message is not acked.
@@ -129,7 +131,14 @@ impl Consumer {
             config,
             handlers: HashMap::new(),
             counters: Arc::default(),
+            metrics: Metrics::new(),
         }
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     pub fn register(mut self, kind: impl Into<String>, handler: impl Handler) -> Self {
@@ -224,7 +233,11 @@ impl Role for Consumer {
             return Err(ConsumerError::NoHandlers);
         }
         let this = Arc::new(self);
-        let executor = Executor::start(this.pool.clone(), this.config.worker.clone());
+        let executor = Executor::start(
+            this.pool.clone(),
+            this.config.worker.clone(),
+            this.metrics.clone(),
+        );
         // The broker loop stops taking messages on `stop`, then waits for the
         // jobs in hand; the executor's shutdown ends those within the deadline.
         let stop = shutdown.child_token();

@@ -16,7 +16,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::metrics;
+use crate::metrics::Metrics;
 use crate::queue::{self, JobStatus, QueueError};
 use crate::relay::outbox;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
@@ -81,6 +81,7 @@ pub enum JanitorError {
 pub struct Janitor {
     pool: PgPool,
     config: Valid<JanitorConfig>,
+    metrics: Metrics,
 }
 
 #[derive(Clone, Copy)]
@@ -91,7 +92,17 @@ enum Target {
 
 impl Janitor {
     pub fn new(pool: PgPool, config: Valid<JanitorConfig>) -> Self {
-        Janitor { pool, config }
+        Janitor {
+            pool,
+            config,
+            metrics: Metrics::new(),
+        }
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     async fn delete_batch(&self, target: Target) -> Result<u64, JanitorError> {
@@ -111,7 +122,7 @@ impl Janitor {
                 ("outbox", n)
             }
         };
-        metrics::record_janitor_deleted(what, deleted);
+        self.metrics.record_janitor_deleted(what, deleted);
         Ok(deleted)
     }
 }

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use crate::metrics::Metrics;
 use crate::queue::{self, QueueError, ReapReport};
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
@@ -43,11 +44,22 @@ impl Default for ReaperConfig {
 pub struct Reaper {
     pool: PgPool,
     config: Valid<ReaperConfig>,
+    metrics: Metrics,
 }
 
 impl Reaper {
     pub fn new(pool: PgPool, config: Valid<ReaperConfig>) -> Self {
-        Reaper { pool, config }
+        Reaper {
+            pool,
+            config,
+            metrics: Metrics::new(),
+        }
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 }
 
@@ -67,7 +79,7 @@ impl Periodic for Reaper {
             let batch = queue::reap_expired(&self.pool, self.config.batch_size).await?;
             total.requeued += batch.requeued;
             total.buried += batch.buried;
-            crate::metrics::record_reaped(batch.requeued + batch.buried);
+            self.metrics.record_reaped(batch.requeued + batch.buried);
             if ((batch.requeued + batch.buried) as i64) < self.config.batch_size
                 || shutdown.is_cancelled()
             {

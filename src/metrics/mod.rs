@@ -1,5 +1,10 @@
-//! Prometheus metrics: one registry per process, rendered at `/metrics` by
-//! [`crate::http`] with `prometheus-client` (never hand-formatted).
+//! Prometheus metrics: a [`Metrics`] handle (one registry and its families,
+//! cheap to clone) that the process creates and hands to each role it runs
+//! and to [`crate::http`], which renders it at `/metrics` with
+//! `prometheus-client` (never hand-formatted). A leaf: it knows no role, no
+//! table and no other module of almanac; roles call its `record_*` methods.
+//! A role given no handle counts into one of its own, which nobody renders
+//! (a test hands its own and reads exact values).
 //!
 //! Two kinds of figures, and where each comes from:
 //!
@@ -9,15 +14,12 @@
 //!   functions below, one per outcome. They count what *this* process did, so
 //!   sum them across processes.
 //! - **Database figures** (`almanac_jobs`, oldest due ready age, expired leases,
-//!   outbox backlog, schedule lag): set by the [`collector`] role from a few
+//!   outbox backlog, schedule lag): set by the [`crate::stats::Collector`] role from a few
 //!   cheap queries on the partial indexes, at most every few seconds, never
 //!   one query per scrape. A label that disappears from the database (a kind
 //!   with no ready jobs left) is set to 0, not left at its last value.
 
-pub mod collector;
-pub mod snapshot;
-
-use std::sync::OnceLock;
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -26,9 +28,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-pub use collector::{Collector, CollectorConfig};
-pub use snapshot::Snapshot;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -60,9 +59,11 @@ pub struct ScheduleOutcomeLabel {
 type Gauges<L> = Family<L, Gauge<f64, std::sync::atomic::AtomicU64>>;
 type Histograms = Family<KindLabel, Histogram, fn() -> Histogram>;
 
-/// Every metric family almanac exports.
+/// Every metric family almanac exports; clones share the registry and the
+/// values.
+#[derive(Clone)]
 pub struct Metrics {
-    registry: Registry,
+    registry: Arc<Registry>,
     // From the database (the collector).
     pub jobs: Gauges<KindStatusLabel>,
     pub oldest_ready_age: Gauges<KindLabel>,
@@ -94,8 +95,15 @@ fn seconds_histogram() -> Histogram {
     ))
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
-    fn new() -> Self {
+    /// A fresh registry with every family at zero.
+    pub fn new() -> Self {
         let mut registry = Registry::with_prefix("almanac");
         let jobs = Gauges::<KindStatusLabel>::default();
         registry.register(
@@ -218,7 +226,7 @@ impl Metrics {
             schedule_runs.clone(),
         );
         Metrics {
-            registry,
+            registry: Arc::new(registry),
             jobs,
             oldest_ready_age,
             expired_leases,
@@ -251,12 +259,6 @@ impl Metrics {
     }
 }
 
-/// The process's metrics.
-pub fn global() -> &'static Metrics {
-    static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(Metrics::new)
-}
-
 fn kind(kind: &str) -> KindLabel {
     KindLabel {
         kind: kind.to_string(),
@@ -269,28 +271,6 @@ fn sink(sink: &str) -> SinkLabel {
     }
 }
 
-/// A handler started: how long the job waited since it was due.
-pub fn record_started(job_kind: &str, waited: Duration) {
-    global()
-        .wait
-        .get_or_create(&kind(job_kind))
-        .observe(waited.as_secs_f64());
-}
-
-/// A job's outcome was recorded (or given up), with the handler's run time.
-pub fn record_outcome(job_kind: &str, outcome: Outcome, ran: Duration) {
-    let m = global();
-    let label = kind(job_kind);
-    m.duration.get_or_create(&label).observe(ran.as_secs_f64());
-    let family = match outcome {
-        Outcome::Completed => &m.completed,
-        Outcome::Retried => &m.retried,
-        Outcome::Dead => &m.dead,
-        Outcome::LeaseLost => &m.lease_lost,
-    };
-    family.get_or_create(&label).inc();
-}
-
 /// What became of one execution, as the metrics count it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -300,43 +280,60 @@ pub enum Outcome {
     LeaseLost,
 }
 
-pub fn record_reaped(rows: u64) {
-    global().reaper_recovered.inc_by(rows);
-}
+impl Metrics {
+    /// A handler started: how long the job waited since it was due.
+    pub fn record_started(&self, job_kind: &str, waited: Duration) {
+        self.wait
+            .get_or_create(&kind(job_kind))
+            .observe(waited.as_secs_f64());
+    }
 
-pub fn record_janitor_deleted(what: &str, rows: u64) {
-    global()
-        .janitor_deleted
-        .get_or_create(&kind(what))
-        .inc_by(rows);
-}
+    /// A job's outcome was recorded (or given up), with the handler's run time.
+    pub fn record_outcome(&self, job_kind: &str, outcome: Outcome, ran: Duration) {
+        let m = self;
+        let label = kind(job_kind);
+        m.duration.get_or_create(&label).observe(ran.as_secs_f64());
+        let family = match outcome {
+            Outcome::Completed => &m.completed,
+            Outcome::Retried => &m.retried,
+            Outcome::Dead => &m.dead,
+            Outcome::LeaseLost => &m.lease_lost,
+        };
+        family.get_or_create(&label).inc();
+    }
 
-pub fn record_published(sink_name: &str, rows: u64) {
-    global()
-        .relay_published
-        .get_or_create(&sink(sink_name))
-        .inc_by(rows);
-}
+    pub fn record_reaped(&self, rows: u64) {
+        self.reaper_recovered.inc_by(rows);
+    }
 
-pub fn record_publish_failed(sink_name: &str, rows: u64) {
-    global()
-        .relay_failed
-        .get_or_create(&sink(sink_name))
-        .inc_by(rows);
-}
+    pub fn record_janitor_deleted(&self, what: &str, rows: u64) {
+        self.janitor_deleted.get_or_create(&kind(what)).inc_by(rows);
+    }
 
-pub fn record_leadership(leading: bool) {
-    global().scheduler_leader.set(i64::from(leading));
-}
+    pub fn record_published(&self, sink_name: &str, rows: u64) {
+        self.relay_published
+            .get_or_create(&sink(sink_name))
+            .inc_by(rows);
+    }
 
-/// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,
-/// skipped_overlap).
-pub fn record_schedule_runs(schedule: &str, outcome: &str, rows: u64) {
-    global()
-        .schedule_runs
-        .get_or_create(&ScheduleOutcomeLabel {
-            schedule: schedule.to_string(),
-            outcome: outcome.to_string(),
-        })
-        .inc_by(rows);
+    pub fn record_publish_failed(&self, sink_name: &str, rows: u64) {
+        self.relay_failed
+            .get_or_create(&sink(sink_name))
+            .inc_by(rows);
+    }
+
+    pub fn record_leadership(&self, leading: bool) {
+        self.scheduler_leader.set(i64::from(leading));
+    }
+
+    /// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,
+    /// skipped_overlap).
+    pub fn record_schedule_runs(&self, schedule: &str, outcome: &str, rows: u64) {
+        self.schedule_runs
+            .get_or_create(&ScheduleOutcomeLabel {
+                schedule: schedule.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc_by(rows);
+    }
 }

@@ -59,6 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 pub use crate::broker::{PublishError, SinkConfig, SinkError, SinkKind};
+use crate::metrics::Metrics;
 use crate::queue::{routing, Backoff};
 use crate::retry::Retry;
 use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
@@ -187,6 +188,7 @@ pub struct Relay {
     pool: PgPool,
     publisher: Publisher,
     config: Valid<RelayConfig>,
+    metrics: Metrics,
     /// Where the re-drive sweep goes on.
     redrive_from: Option<routing::RedriveCursor>,
     /// When a claim last started from the start of the due rows.
@@ -206,9 +208,16 @@ impl Relay {
             pool,
             publisher,
             config,
+            metrics: Metrics::new(),
             redrive_from: None,
             claimed_from_start: Instant::now(),
         }
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Claims the next batch, after `after` unless the last claim from the
@@ -260,7 +269,14 @@ impl Relay {
             return Err(RelayError::Failpoint(point));
         }
         let outcomes = self.outcomes(&claimed.rows, results);
-        Ok(mark(self.pool.clone(), self.publisher.sink(), claimed, outcomes).await?)
+        Ok(mark(
+            self.pool.clone(),
+            self.publisher.sink(),
+            self.metrics.clone(),
+            claimed,
+            outcomes,
+        )
+        .await?)
     }
 
     /// Publishes due rows batch after batch until a batch claimed from the
@@ -386,8 +402,12 @@ impl Relay {
         if let Some(previous) = marking.take() {
             *report += join(previous).await?;
         }
-        let (pool, sink) = (self.pool.clone(), self.publisher.sink());
-        *marking = Some(tokio::spawn(mark(pool, sink, batch, outcomes)));
+        let (pool, sink, metrics) = (
+            self.pool.clone(),
+            self.publisher.sink(),
+            self.metrics.clone(),
+        );
+        *marking = Some(tokio::spawn(mark(pool, sink, metrics, batch, outcomes)));
         Ok(retrying)
     }
 
@@ -524,6 +544,7 @@ async fn join<T>(handle: JoinHandle<Result<T, sqlx::Error>>) -> Result<T, RelayE
 async fn mark(
     pool: PgPool,
     sink: SinkKind,
+    metrics: Metrics,
     claimed: Claimed,
     outcomes: Vec<Outcome>,
 ) -> Result<RelayReport, sqlx::Error> {
@@ -536,13 +557,13 @@ async fn mark(
         }
     }
     let marked = outbox::mark(&pool, claimed.token, &rows).await?;
-    record_published(sink, marked.published);
+    record_published(&metrics, sink, marked.published);
     if marked.retried > 0 {
-        crate::metrics::record_publish_failed(sink.as_str(), marked.retried);
+        metrics.record_publish_failed(sink.as_str(), marked.retried);
         warn!(%sink, rows = marked.retried, error = %rows.retry[0].1, "publishing failed; the rows stay unpublished and will be retried");
     }
     for row in &marked.failed {
-        record_failed(sink, row, marked.buried.contains(&row.job_id));
+        record_failed(&metrics, sink, row, marked.buried.contains(&row.job_id));
     }
     Ok(RelayReport {
         published: marked.published,
@@ -552,16 +573,16 @@ async fn mark(
 }
 
 /// The one place rows marked published are recorded.
-fn record_published(sink: SinkKind, rows: u64) {
-    crate::metrics::record_published(sink.as_str(), rows);
+fn record_published(metrics: &Metrics, sink: SinkKind, rows: u64) {
+    metrics.record_published(sink.as_str(), rows);
     if rows > 0 {
         debug!(%sink, rows, "outbox rows published");
     }
 }
 
 /// The one place a row marked failed for good is recorded.
-fn record_failed(sink: SinkKind, row: &FailedRow, job_buried: bool) {
-    crate::metrics::record_publish_failed(sink.as_str(), 1);
+fn record_failed(metrics: &Metrics, sink: SinkKind, row: &FailedRow, job_buried: bool) {
+    metrics.record_publish_failed(sink.as_str(), 1);
     warn!(
         %sink,
         outbox_id = row.id,

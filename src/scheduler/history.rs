@@ -145,20 +145,6 @@ pub enum CellState {
 /// than missing: a leader's tick comes well within it.
 pub const DUE_GRACE: chrono::Duration = chrono::Duration::seconds(60);
 
-impl CellState {
-    pub fn class(&self) -> &'static str {
-        match self {
-            CellState::Emitted { .. } | CellState::JobDeleted => "emitted",
-            CellState::Done { .. } => "done",
-            CellState::Failed { .. } => "failed",
-            CellState::Skipped { .. } => "skipped",
-            CellState::Missing => "missing",
-            CellState::BeforeFirstSync => "presync",
-            CellState::Due => "due",
-        }
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct Cell {
     pub run: Run,

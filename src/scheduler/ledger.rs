@@ -110,8 +110,11 @@ pub async fn cursors(
 }
 
 /// What recording a batch did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Recorded {
+    /// Ledger rows written, per schedule and outcome (`emitted`,
+    /// `skipped_catchup`, `skipped_overlap`): what the metrics count.
+    pub written: Vec<(String, String, u64)>,
     /// New ledger rows with a job.
     pub emitted: u64,
     /// Ledger rows that were skipped before and now have a job (backfill).
@@ -129,6 +132,7 @@ impl Recorded {
         self.skipped_catchup += other.skipped_catchup;
         self.skipped_overlap += other.skipped_overlap;
         self.existed += other.existed;
+        self.written.extend(other.written);
     }
 }
 
@@ -265,13 +269,13 @@ pub async fn record(
     for (schedule, outcome, was_there, count) in counts {
         let count = count as u64;
         written += count;
-        crate::metrics::record_schedule_runs(&schedule, &outcome, count);
         match (outcome.as_str(), was_there) {
             ("emitted", true) => report.emitted_after_skip += count,
             ("emitted", false) => report.emitted += count,
             ("skipped_catchup", _) => report.skipped_catchup += count,
             _ => report.skipped_overlap += count,
         }
+        report.written.push((schedule, outcome, count));
     }
     report.existed = n as u64 - written;
     Ok(report)

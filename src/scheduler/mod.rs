@@ -51,6 +51,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::metrics::Metrics;
 use crate::retry::Retry;
 use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 use leader::{LeaderLost, Leadership};
@@ -160,6 +161,7 @@ pub struct Scheduler {
     leading: Arc<AtomicBool>,
     /// A message here reloads the schedule files (SIGHUP in `almanac run`).
     reload: Option<mpsc::Receiver<()>>,
+    metrics: Metrics,
 }
 
 enum Ended {
@@ -181,7 +183,14 @@ impl Scheduler {
             schedules,
             leading: Arc::new(AtomicBool::new(false)),
             reload: None,
+            metrics: Metrics::new(),
         })
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Reloads the schedule files at each message on `reload`.
@@ -208,7 +217,7 @@ impl Scheduler {
     /// Leadership gained: the one place that records it.
     fn gained(&self, leadership: &Leadership) {
         self.leading.store(true, Ordering::SeqCst);
-        crate::metrics::record_leadership(true);
+        self.metrics.record_leadership(true);
         info!(
             backend_pid = leadership.pid(),
             takeover_bound_ms = self.config.takeover().as_millis() as u64,
@@ -219,7 +228,7 @@ impl Scheduler {
     /// Leadership lost or given up: the one place that records it.
     fn lost(&self, why: &str) {
         self.leading.store(false, Ordering::SeqCst);
-        crate::metrics::record_leadership(false);
+        self.metrics.record_leadership(false);
         warn!(
             reason = why,
             "scheduler leadership lost; stopped emitting, standing by"
@@ -228,6 +237,9 @@ impl Scheduler {
 
     /// What a tick recorded: the one place that records emitted and skipped runs.
     fn recorded(&self, r: Recorded) {
+        for (schedule, outcome, rows) in &r.written {
+            self.metrics.record_schedule_runs(schedule, outcome, *rows);
+        }
         if r.emitted + r.skipped_catchup + r.skipped_overlap > 0 {
             info!(
                 emitted = r.emitted,
@@ -358,7 +370,7 @@ impl Role for Scheduler {
                     };
                     if let Ended::Shutdown = ended {
                         self.leading.store(false, Ordering::SeqCst);
-                        crate::metrics::record_leadership(false);
+                        self.metrics.record_leadership(false);
                         leadership.release().await;
                         info!("scheduler leader stepped down at shutdown");
                         return Ok(());

@@ -28,7 +28,7 @@ pub struct Ticker {
 }
 
 /// What one step recorded, and whether runs due at the same `now` remain.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Step {
     pub recorded: Recorded,
     pub more: bool,

@@ -39,7 +39,7 @@
 //!   `/metrics` (see [`crate::http`]); binding beyond loopback requires it.
 //! - *Cheap queries.* No page reads done jobs in bulk: counts come from the
 //!   partial indexes of unfinished and dead rows and the planner's estimate
-//!   ([`crate::metrics::snapshot`]); the jobs list is a keyset page on `id`
+//!   ([`crate::stats::snapshot`]); the jobs list is a keyset page on `id`
 //!   that scans a bounded id range ([`crate::queue::browse`]); the calendar
 //!   reads one schedule's ledger rows for its window and the statuses of
 //!   their jobs by primary key. `tests/ui.rs` checks the plans with

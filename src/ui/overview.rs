@@ -11,8 +11,8 @@ use maud::html;
 
 use super::view::{age, dash, enc, layout, sink_rows};
 use super::{Page, Ui};
-use crate::metrics::snapshot::Snapshot;
 use crate::queue::{browse, JobStatus};
+use crate::stats::Snapshot;
 
 pub(super) async fn page(State(ui): State<Ui>) -> Page {
     let mut tx = ui.read().await?;

@@ -17,10 +17,10 @@ use serde::Deserialize;
 use super::view::{age, dash, enc, layout, time};
 use super::{Page, Ui, UiError};
 use crate::config::HumanDuration;
-use crate::metrics::snapshot;
 use crate::scheduler::backfill::db_now;
 use crate::scheduler::history::{self, CellState, Synced};
 use crate::scheduler::spec::Schedule;
+use crate::stats::snapshot;
 
 fn next_fire(s: &Schedule, now: DateTime<Utc>) -> Markup {
     match s.next_after(now) {
@@ -129,7 +129,7 @@ pub(super) async fn detail(
     let tz: Tz = schedule.timeline.tz();
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for c in &calendar.cells {
-        *counts.entry(c.state.class()).or_default() += 1;
+        *counts.entry(class(&c.state)).or_default() += 1;
     }
     let clicked = dq
         .missing
@@ -179,12 +179,12 @@ pub(super) async fn detail(
                 @let title = format!("{} · {}{}", c.run.logical_run, describe(&c.state), c.source.as_deref().map(|s| format!(" · {s}")).unwrap_or_default());
                 @match &c.state {
                     CellState::Done { job_id } | CellState::Failed { job_id } | CellState::Emitted { job_id } => {
-                        a .cell .(c.state.class()) href={"/jobs/" (job_id)} title=(title) data-run=(c.run.logical_run) { (text) }
+                        a .cell .(class(&c.state)) href={"/jobs/" (job_id)} title=(title) data-run=(c.run.logical_run) { (text) }
                     },
                     CellState::Missing => {
                         a .cell .missing href={"?missing=" (enc(&c.run.logical_run)) "#backfill"} title=(title) data-run=(c.run.logical_run) { (text) }
                     },
-                    _ => { span .cell .(c.state.class()) title=(title) data-run=(c.run.logical_run) { (text) } },
+                    _ => { span .cell .(class(&c.state)) title=(title) data-run=(c.run.logical_run) { (text) } },
                 }
             }
         }
@@ -231,6 +231,19 @@ fn describe(state: &CellState) -> String {
         CellState::Missing => "missing".into(),
         CellState::BeforeFirstSync => "before the schedule's first sync".into(),
         CellState::Due => "due now; the scheduler emits it at its next tick".into(),
+    }
+}
+
+/// The CSS class (and legend key) the calendar draws a run's state with.
+fn class(state: &CellState) -> &'static str {
+    match state {
+        CellState::Emitted { .. } | CellState::JobDeleted => "emitted",
+        CellState::Done { .. } => "done",
+        CellState::Failed { .. } => "failed",
+        CellState::Skipped { .. } => "skipped",
+        CellState::Missing => "missing",
+        CellState::BeforeFirstSync => "presync",
+        CellState::Due => "due",
     }
 }
 

@@ -66,7 +66,7 @@ mod record;
 use record::{record, Outcome, Write};
 
 use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
-use crate::metrics;
+use crate::metrics::{Metrics, Outcome as Counted};
 use crate::queue::{self, Job, QueueError};
 use crate::role::Valid;
 
@@ -166,6 +166,7 @@ async fn bounded<T>(
 struct Inner {
     pool: PgPool,
     config: Valid<WorkerConfig>,
+    metrics: Metrics,
     margin: Duration,
     slots: Arc<Semaphore>,
     flights: Mutex<HashMap<i64, Flight>>,
@@ -207,9 +208,10 @@ pub(crate) struct Executor {
 
 impl Executor {
     /// Starts the heartbeat loop and the outcome recorder.
-    pub fn start(pool: PgPool, config: Valid<WorkerConfig>) -> Executor {
+    pub fn start(pool: PgPool, config: Valid<WorkerConfig>, metrics: Metrics) -> Executor {
         let inner = Arc::new(Inner {
             pool,
+            metrics,
             margin: lease_margin(config.lease),
             slots: Arc::new(Semaphore::new(config.concurrency)),
             config,
@@ -488,14 +490,15 @@ impl Inner {
         };
         self.count(id, &flight.kind, flight.attempt, executed, detail);
         let counted = match executed {
-            Executed::Completed => Some(metrics::Outcome::Completed),
-            Executed::Retried => Some(metrics::Outcome::Retried),
-            Executed::Dead => Some(metrics::Outcome::Dead),
-            Executed::Lost => Some(metrics::Outcome::LeaseLost),
+            Executed::Completed => Some(Counted::Completed),
+            Executed::Retried => Some(Counted::Retried),
+            Executed::Dead => Some(Counted::Dead),
+            Executed::Lost => Some(Counted::LeaseLost),
             Executed::Released => None,
         };
         if let Some(counted) = counted {
-            metrics::record_outcome(&flight.kind, counted, flight.started.elapsed());
+            self.metrics
+                .record_outcome(&flight.kind, counted, flight.started.elapsed());
         }
         if let Some(reply) = flight.reply.take() {
             let _ = reply.send(executed);
@@ -517,7 +520,7 @@ async fn execute(
     let waited = (chrono::Utc::now() - job.run_at)
         .to_std()
         .unwrap_or_default();
-    metrics::record_started(&job.kind, waited);
+    inner.metrics.record_started(&job.kind, waited);
     let work = invoke(handler.as_ref(), JobContext::new(job, cancel.clone()));
     tokio::pin!(work);
     // Set once the handler is cancelled: when it is dropped if still running.

@@ -31,6 +31,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
+use crate::metrics::Metrics;
 use crate::queue::{Backoff, Failure, Job};
 use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 
@@ -228,6 +229,7 @@ impl Settings for WorkerConfig {
 pub struct Worker {
     pool: PgPool,
     config: Valid<WorkerConfig>,
+    metrics: Metrics,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
 
@@ -236,8 +238,15 @@ impl Worker {
         Worker {
             pool,
             config,
+            metrics: Metrics::new(),
             handlers: HashMap::new(),
         }
+    }
+
+    /// Counts into `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Runs `handler` for jobs of `kind`; a second registration replaces the first.
@@ -263,7 +272,14 @@ impl Role for Worker {
         if self.handlers.is_empty() {
             return Err(WorkerError::NoHandlers);
         }
-        Ok(runner::run(self.pool, self.config, self.handlers, shutdown).await)
+        Ok(runner::run(
+            self.pool,
+            self.config,
+            self.metrics,
+            self.handlers,
+            shutdown,
+        )
+        .await)
     }
 }
 

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 use super::executor::{Executor, WorkerReport};
 use super::{Handler, WorkerConfig};
 use crate::db;
+use crate::metrics::Metrics;
 use crate::queue::{self, Claim, QueueError, NOTIFY_CHANNEL};
 use crate::retry::Retry;
 use crate::role::Valid;
@@ -22,12 +23,13 @@ use crate::role::Valid;
 pub(super) async fn run(
     pool: PgPool,
     config: Valid<WorkerConfig>,
+    metrics: Metrics,
     handlers: HashMap<String, Arc<dyn Handler>>,
     shutdown: CancellationToken,
 ) -> WorkerReport {
     let mut kinds: Vec<String> = handlers.keys().cloned().collect();
     kinds.sort();
-    let executor = Executor::start(pool.clone(), config.clone());
+    let executor = Executor::start(pool.clone(), config.clone(), metrics);
     let wake = Arc::new(Notify::new());
     let listen_stop = CancellationToken::new();
     let listener = config.listen.then(|| {

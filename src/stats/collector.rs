@@ -1,5 +1,5 @@
 //! The metrics collector role: reads a [`Snapshot`] every `interval` and sets
-//! the database gauges from it, so a scrape never runs a query and a hundred
+//! the database gauges of the [`Metrics`] it was handed from it, so a scrape never runs a query and a hundred
 //! scrapers cost the database nothing more. A kind or sink seen once keeps
 //! its series: when it empties, its gauges drop to 0 rather than freezing at
 //! their last value.
@@ -12,7 +12,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::snapshot::Snapshot;
-use super::{global, KindLabel, KindStatusLabel, ScheduleLabel, SinkLabel};
+use crate::metrics::{KindLabel, KindStatusLabel, Metrics, ScheduleLabel, SinkLabel};
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
@@ -41,6 +41,7 @@ impl Settings for CollectorConfig {
 pub struct Collector {
     pool: PgPool,
     config: Valid<CollectorConfig>,
+    metrics: Metrics,
     /// Kinds and sinks seen so far (they keep their series).
     seen: Mutex<Seen>,
 }
@@ -56,13 +57,20 @@ impl Collector {
         Collector {
             pool,
             config,
+            metrics: Metrics::new(),
             seen: Mutex::default(),
         }
     }
 
+    /// Sets the gauges of `metrics` (by default, a registry of its own).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     fn publish(&self, s: &Snapshot) {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let m = global();
+        let m = &self.metrics;
         for schedule in &s.schedules {
             let label = ScheduleLabel {
                 schedule: schedule.name.clone(),
