@@ -181,3 +181,18 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         done_estimate: (estimate as i64 - unfinished).max(0),
     })
 }
+
+/// Of `schedules`, those with a job still ready or running (the scheduler's
+/// `overlap = "skip"` check), through `jobs_schedule_unfinished_idx`.
+pub async fn schedules_with_unfinished_jobs(
+    conn: &mut PgConnection,
+    schedules: &[&str],
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT DISTINCT schedule FROM almanac.jobs \
+         WHERE schedule = ANY($1) AND status IN ('ready', 'running')",
+    )
+    .bind(schedules)
+    .fetch_all(conn)
+    .await
+}

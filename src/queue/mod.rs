@@ -48,7 +48,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-pub use admin::{cancel, get, list, retry, stats, JobFilter, KindAge, KindStatusCount, Stats};
+pub use admin::{
+    cancel, get, list, retry, schedules_with_unfinished_jobs, stats, JobFilter, KindAge,
+    KindStatusCount, Stats,
+};
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{

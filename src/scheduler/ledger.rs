@@ -150,6 +150,15 @@ impl Recorded {
 /// inserted are inserted from the same arrays. Nothing is read back row by
 /// row and no row is updated afterwards. (The foreign key from the ledger to
 /// its job is checked at the end of the statement, when both rows exist.)
+///
+/// This is the one statement outside `queue/` that writes `almanac.jobs`,
+/// on purpose: a ledger row and its job must be written together, and only
+/// for ledger rows this statement inserted, which a second statement cannot
+/// learn without a window in which a concurrent leader or backfill slips in
+/// (and the foreign key would be checked between them). Its job columns
+/// follow [`queue::enqueue_many`]'s insert; when the SQL function
+/// `almanac.enqueue` (issue #24) becomes the one enqueue implementation,
+/// this statement calls it instead.
 pub async fn record(
     conn: &mut PgConnection,
     batch: &[(&Schedule, &Planned)],
@@ -171,12 +180,7 @@ pub async fn record(
             .map(|(s, _)| s.name.as_str())
             .collect();
         if !skippers.is_empty() {
-            busy_rows = sqlx::query_scalar(
-                "SELECT DISTINCT schedule FROM almanac.jobs WHERE schedule = ANY($1) AND status IN ('ready', 'running')",
-            )
-            .bind(&skippers)
-            .fetch_all(&mut *tx)
-            .await?;
+            busy_rows = queue::schedules_with_unfinished_jobs(&mut tx, &skippers).await?;
         }
     }
     busy.extend(busy_rows.iter().map(String::as_str));
