@@ -15,6 +15,7 @@ mod ops;
 mod route;
 mod run;
 mod schedules;
+pub mod settings;
 mod sinks;
 mod stats;
 mod work;
@@ -28,6 +29,7 @@ use sqlx::PgPool;
 
 use crate::config::{Config, LogFormat, DEFAULT_DATABASE_URL};
 use crate::db;
+pub(crate) use settings::invalid;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -36,13 +38,14 @@ use crate::db;
     about = "Scheduler and outbox relay on PostgreSQL"
 )]
 pub struct Cli {
-    /// PostgreSQL URL; the database is created when missing.
+    /// PostgreSQL URL; the database is created when missing
+    /// [default: postgres://postgres@127.0.0.1:5432/almanac].
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
     /// Config file (default: ./almanac.toml when present).
     #[arg(long, env = "ALMANAC_CONFIG", global = true)]
     config: Option<PathBuf>,
-    /// Log format on stderr.
+    /// Log format on stderr [default: human].
     #[arg(long, env = "ALMANAC_LOG_FORMAT", global = true, value_enum)]
     log_format: Option<LogFormat>,
     #[command(subcommand)]
@@ -224,40 +227,4 @@ fn init_logging(format: LogFormat) {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
-}
-
-/// The flag that sets each `almanac.toml` key a role's settings name.
-const FLAGS: &[(&str, &str)] = &[
-    ("[reaper] interval", "--reaper-interval"),
-    ("[reaper] batch_size", "--reaper-batch-size"),
-    ("[janitor] interval", "--janitor-interval"),
-    ("[janitor] done_retention", "--done-retention"),
-    ("[janitor] dead_retention", "--dead-retention"),
-    ("[janitor] outbox_retention", "--outbox-retention"),
-    ("[janitor] batch_size", "--janitor-batch"),
-    ("[metrics] interval", "--metrics-interval"),
-    ("[worker] concurrency", "--concurrency"),
-    ("[worker] batch_size", "--batch-size"),
-    ("[worker] lease", "--lease"),
-    ("[worker] poll_interval", "--poll-interval"),
-    ("[relay] batch_size", "--relay-batch-size"),
-    ("[relay] max_publish_attempts", "--max-publish-attempts"),
-    ("[relay] in_flight_lease", "--in-flight-lease"),
-    ("[relay] redrive_after", "--redrive-after"),
-    ("[relay] reconcile_interval", "--reconcile-interval"),
-    ("[relay] kafka_partitions", "--kafka-partitions"),
-    ("[relay] kafka_replication", "--kafka-replication"),
-    ("[relay] ack_timeout", "--ack-timeout"),
-    ("[relay] max_message_bytes", "--max-message-bytes"),
-    ("[scheduler] leader_timeout", "--leader-timeout"),
-    ("[scheduler] standby_retry", "--standby-retry"),
-];
-
-/// A setting's error as a person at the command line reads it: the flag,
-/// then the file key, then the rule.
-pub(crate) fn invalid(err: crate::role::InvalidSetting) -> anyhow::Error {
-    match FLAGS.iter().find(|(key, _)| *key == err.setting) {
-        Some((_, flag)) => anyhow::anyhow!("{flag} ({}) {}", err.setting, err.problem),
-        None => anyhow::Error::new(err),
-    }
 }

@@ -16,7 +16,7 @@ pub struct HttpFlags {
     #[arg(long, env = "ALMANAC_HTTP_ADDR", value_name = "ADDR|off")]
     pub http_addr: Option<HttpAddr>,
     /// USER:PASSWORD required by /metrics (and the dashboard); needed to
-    /// listen beyond loopback. Prefer the environment variable.
+    /// listen beyond loopback. Prefer the environment variable [default: none].
     #[arg(long, env = "ALMANAC_HTTP_BASIC_AUTH", hide_env_values = true)]
     pub http_basic_auth: Option<BasicAuth>,
 }
@@ -25,7 +25,7 @@ pub struct HttpFlags {
 #[derive(Debug, Clone, clap::Args)]
 pub struct UiFlags {
     /// Let the dashboard retry dead jobs (POST forms with a CSRF token);
-    /// without it the dashboard is read-only.
+    /// without it the dashboard is read-only [default: off].
     #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL",
           value_parser = clap::builder::BoolishValueParser::new())]
     pub ui_actions: Option<bool>,

@@ -11,10 +11,10 @@ use crate::role::{Settings, Valid};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SinkFlags {
-    /// Kafka bootstrap servers, HOST:PORT[,...]; turns on the Kafka relay in `run`.
+    /// Kafka bootstrap servers, HOST:PORT[,...]; turns on the Kafka relay in `run` [default: none].
     #[arg(long, env = "ALMANAC_KAFKA_BROKERS")]
     pub kafka_brokers: Option<String>,
-    /// RabbitMQ URL, amqp://USER:PASSWORD@HOST:PORT/VHOST; turns on the RabbitMQ relay in `run`.
+    /// RabbitMQ URL, amqp://USER:PASSWORD@HOST:PORT/VHOST; turns on the RabbitMQ relay in `run` [default: none].
     #[arg(long, env = "ALMANAC_AMQP_URL", hide_env_values = true)]
     pub amqp_url: Option<String>,
     /// Partitions of Kafka topics almanac creates [default: 3].
