@@ -9,8 +9,6 @@ use crate::consumer::{Consumer, ConsumerConfig};
 use crate::http::HttpAddr;
 use crate::metrics::Metrics;
 use crate::relay::SinkKind;
-use crate::role::{Role, RoleName};
-use crate::supervisor::Supervisor;
 use crate::worker::exec::parse_handler_spec;
 
 #[derive(Debug, clap::Args)]
@@ -64,17 +62,5 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
-    let mut supervisor = Supervisor::new().grace(grace);
-    if let Some(server) = http {
-        let server = server.with_metrics(metrics);
-        supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
-    }
-    let token = supervisor.token();
-    supervisor.spawn(RoleName::Consumer, async move {
-        let report = consumer.run(token).await?;
-        tracing::info!(?report, "consumer stopped");
-        Ok::<_, anyhow::Error>(())
-    });
-    supervisor.run_until_signal().await?;
-    Ok(())
+    super::work::run_with_http(consumer, http, metrics, grace).await
 }

@@ -4,7 +4,7 @@ use anyhow::bail;
 
 use super::Ctx;
 use crate::config::{pick, HumanDuration};
-use crate::http::HttpAddr;
+use crate::http::{HttpAddr, HttpServer};
 use crate::metrics::Metrics;
 use crate::role::{Role, RoleName, Settings, Valid};
 use crate::supervisor::Supervisor;
@@ -126,15 +126,30 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     for (kind, command) in args.handlers {
         worker = worker.register(kind, args.worker.exec_handler(ctx, command));
     }
+    run_with_http(worker, http, metrics, grace).await
+}
+
+/// Runs `role` (a worker or a consumer), and the HTTP endpoint rendering
+/// `metrics` when there is one, until SIGINT/SIGTERM; logs what the role
+/// reports when it stops.
+pub(super) async fn run_with_http<R: Role>(
+    role: R,
+    http: Option<HttpServer>,
+    metrics: Metrics,
+    grace: std::time::Duration,
+) -> anyhow::Result<()>
+where
+    R::Output: std::fmt::Debug,
+{
     let mut supervisor = Supervisor::new().grace(grace);
     if let Some(server) = http {
         let server = server.with_metrics(metrics);
         supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }
     let token = supervisor.token();
-    supervisor.spawn(RoleName::Worker, async move {
-        let report = worker.run(token).await?;
-        tracing::info!(?report, "worker stopped");
+    supervisor.spawn(R::NAME, async move {
+        let report = role.run(token).await?;
+        tracing::info!(role = %R::NAME, ?report, "stopped");
         Ok::<_, anyhow::Error>(())
     });
     supervisor.run_until_signal().await?;
