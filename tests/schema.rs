@@ -192,14 +192,15 @@ async fn a_pre_release_database_is_adopted_with_its_data(pool: PgPool) {
     );
 
     db::migrate(&pool).await.unwrap();
+    // The baseline is recorded beside the old rows, which stay: a
+    // pre-release process still running keeps seeing its whole history.
     let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY 1")
         .fetch_all(&pool)
         .await
         .unwrap();
-    assert_eq!(
-        versions,
-        MIGRATOR.iter().map(|m| m.version).collect::<Vec<_>>()
-    );
+    let mut expected: Vec<i64> = old.iter().map(|m| m.version).collect();
+    expected.extend(MIGRATOR.iter().map(|m| m.version));
+    assert_eq!(versions, expected);
     check_data(&pool).await;
     assert_schema_sql(&pool);
     // A second start finds nothing to do.
@@ -234,21 +235,7 @@ fn tempdir() -> String {
     dir.to_string_lossy().into_owned()
 }
 
-/// A database this build cannot stand on (here: migrated by a newer build)
-/// is refused by `almanac migrate` and by `/readyz` with the same sentence,
-/// and nothing is applied.
-#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn readyz_and_start_up_agree_on_a_database_from_a_newer_build(pool: PgPool) {
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (9999, 'from the future', true, '\\x00', 0)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let expected = "the database has almanac migration 9999, which this build does not know: \
-                    it was migrated by a newer almanac; run that version";
-
+async fn readyz(pool: &PgPool) -> (u16, String) {
     let server = HttpServer::bind(
         "127.0.0.1:0".parse().unwrap(),
         None,
@@ -260,31 +247,86 @@ async fn readyz_and_start_up_agree_on_a_database_from_a_newer_build(pool: PgPool
     let stop = CancellationToken::new();
     let serving = tokio::spawn(server.run(stop.clone()));
     let reply = get(&addr, "/readyz").await.unwrap();
-    assert_eq!((reply.status, reply.body.trim()), (503, expected));
     stop.cancel();
     serving.await.unwrap().unwrap();
+    (reply.status, reply.body.trim().to_string())
+}
 
+fn almanac_migrate(pool: &PgPool) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
         .arg("migrate")
-        .env("DATABASE_URL", common::database_url(&pool))
+        .env("DATABASE_URL", common::database_url(pool))
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(stderr.contains(expected), "{stderr}");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A database a newer release migrated (a version this build does not know
+/// after all of its own) is used as it is by `almanac migrate` and ready at
+/// `/readyz`, so a fleet can upgrade one process at a time; both warn.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn readyz_and_start_up_both_accept_a_database_from_a_newer_release(pool: PgPool) {
+    let newer = db::schema::BASELINE + 50;
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from the future', true, '\\x00', 0)",
+    )
+    .bind(newer)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(readyz(&pool).await, (200, "ready".to_string()));
+    let (ok, stderr) = almanac_migrate(&pool);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains(&format!("almanac migration {newer} from a newer release")),
+        "{stderr}"
+    );
+}
+
+/// A database this build cannot stand on (here: the baseline's text differs
+/// from this build's, as after an unreleased branch) is refused by `almanac
+/// migrate` and by `/readyz` with the same sentence, and nothing is applied.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn readyz_and_start_up_refuse_a_modified_migration_with_one_sentence(pool: PgPool) {
+    sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00' WHERE version = $1")
+        .bind(db::schema::BASELINE)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let expected = format!(
+        "almanac migration {} on this database differs from this build's copy",
+        db::schema::BASELINE
+    );
+    let (status, body) = readyz(&pool).await;
+    assert_eq!(status, 503);
+    assert!(body.starts_with(&expected), "{body}");
+    let (ok, stderr) = almanac_migrate(&pool);
+    assert!(!ok);
+    assert!(stderr.contains(&body), "{stderr}");
 }
 
 /// A half-applied migration is named the same way by both.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_failed_migration_is_not_ready_and_not_started(pool: PgPool) {
-    sqlx::query("UPDATE _sqlx_migrations SET success = false WHERE version = 1")
+    sqlx::query("UPDATE _sqlx_migrations SET success = false WHERE version = $1")
+        .bind(db::schema::BASELINE)
         .execute(&pool)
         .await
         .unwrap();
     let state = db::schema::state(&pool).await.unwrap();
     let problem = state.problem().expect("not ready");
-    assert!(problem.contains("migration 1 failed half-way"), "{problem}");
+    assert!(
+        problem.contains(&format!(
+            "migration {} failed half-way",
+            db::schema::BASELINE
+        )),
+        "{problem}"
+    );
     let err = db::migrate(&pool).await.unwrap_err().to_string();
     assert!(err.ends_with(&problem), "{err}");
 }

@@ -146,6 +146,9 @@ impl Ctx {
         if let Some(problem) = state.problem() {
             bail!("{}: {problem}", db::Target::of(&pool.connect_options()));
         }
+        if let Some(warning) = state.warning() {
+            tracing::warn!("{warning}");
+        }
         Ok(pool)
     }
 }

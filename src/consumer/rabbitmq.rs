@@ -10,7 +10,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{Consumer, JOB_ID_HEADER};
 use crate::broker::rabbitmq::{connect, declare};
@@ -78,8 +78,10 @@ pub(super) async fn run(
                 continue;
             }
         };
-        retry.succeeded();
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
+        // The pause before reconnecting resets only once a session delivered:
+        // a session the broker ends at once (a cancelled consumer, a closed
+        // channel) is retried with a growing pause, not in a tight loop.
         loop {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => {
@@ -94,7 +96,10 @@ pub(super) async fn run(
             };
             while running.try_join_next().is_some() {}
             let delivery = match next {
-                Some(Ok(delivery)) => delivery,
+                Some(Ok(delivery)) => {
+                    retry.succeeded();
+                    delivery
+                }
                 Some(Err(err)) => {
                     warn!(%err, "RabbitMQ delivery failed; reconnecting");
                     break;
@@ -120,6 +125,15 @@ pub(super) async fn run(
             });
         }
         let _ = conn.close(200, "reconnecting").await;
+        let told = |pause: Duration| {
+            debug!(
+                retry_in_ms = pause.as_millis() as u64,
+                "RabbitMQ consumer reconnecting"
+            )
+        };
+        if !retry.pause_told(&shutdown, told).await {
+            break;
+        }
     }
     // Deliveries of a connection that broke before shutdown: their jobs end
     // within the executor's deadline; their acks may fail (redelivered).

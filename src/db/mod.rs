@@ -18,7 +18,8 @@ pub mod schema;
 pub use schema::SchemaState;
 
 /// The migrations in `migrations/`, embedded in the binary: the frozen
-/// baseline and the migrations after it ([`schema`] says how they are judged).
+/// baseline and the migrations after it ([`schema`] says how they are
+/// judged; start-up runs them through [`schema::migrator`]).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Where a connection goes, without its secrets.
@@ -113,7 +114,8 @@ pub async fn connect_and_migrate(url: &str, max_connections: u32) -> Result<PgPo
 
 /// Applies every pending migration, after recording a pre-release schema as
 /// the baseline; refuses, naming the reason, a database this build cannot
-/// stand on ([`schema`]), and applies nothing then.
+/// stand on ([`schema`]), and applies nothing then. A database a newer
+/// release migrated is used as it is, with a warning.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     let target = || Target::of(&pool.connect_options());
     let checked = |source: sqlx::Error| DbError::Migrate {
@@ -121,16 +123,29 @@ pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
         source: Box::new(sqlx::migrate::MigrateError::Execute(source)),
     };
     schema::adopt(pool).await.map_err(checked)?;
-    if let SchemaState::Foreign { reason } = schema::state(pool).await.map_err(checked)? {
-        return Err(DbError::Schema {
-            target: target(),
-            reason,
-        });
+    let state = schema::state(pool).await.map_err(checked)?;
+    match &state {
+        SchemaState::Foreign { reason } => {
+            return Err(DbError::Schema {
+                target: target(),
+                reason: reason.clone(),
+            })
+        }
+        SchemaState::Ahead { .. } => {
+            if let Some(warning) = state.warning() {
+                tracing::warn!(target = %target(), "{warning}");
+            }
+            return Ok(());
+        }
+        _ => {}
     }
-    MIGRATOR.run(pool).await.map_err(|source| DbError::Migrate {
-        target: target(),
-        source: Box::new(source),
-    })
+    schema::migrator()
+        .run(pool)
+        .await
+        .map_err(|source| DbError::Migrate {
+            target: target(),
+            source: Box::new(source),
+        })
 }
 
 async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<(), DbError> {

@@ -1,28 +1,39 @@
 //! The schema's state, judged one way for start-up, `almanac migrate`, the
 //! CLI's read commands and `/readyz`.
 //!
-//! Migrations are one frozen baseline (`migrations/0001_baseline.sql`) plus
-//! forward-only migrations after it; `schema.sql` is the schema they produce
-//! and a test keeps the two equal. A migration that has landed never changes
-//! (a test compares each against its frozen checksum), so a database that
-//! applied it never meets a modified copy.
+//! Migrations are one frozen baseline (`migrations/0100_baseline.sql`) plus
+//! forward-only migrations after it (0101 and up); versions below 100
+//! belong to pre-release builds. `schema.sql` is the schema the migrations
+//! produce and a test keeps the two equal. A migration that has landed never
+//! changes (a test compares each against its frozen checksum), so a database
+//! that applied it never meets a modified copy.
 //!
 //! [`state`] reads `_sqlx_migrations` and compares it with the migrations
-//! embedded in this binary. Only [`SchemaState::Current`] is ready; every
-//! other state carries the sentence a person reads, the same in a refused
-//! start and in `/readyz`:
+//! embedded in this binary:
+//! - `Current`: every embedded migration applied. Ready.
+//! - `Ahead`: every embedded migration applied, and newer ones a later
+//!   release applied. Ready, with a warning: a release's migrations keep the
+//!   previous release working (they add, they do not remove or rename), so
+//!   a fleet upgrades one process at a time and can roll back one release.
 //! - `Pending`: migrations to apply; `almanac migrate` (or `run`, `work`,
-//!   `consume`) applies them.
-//! - `PreBaseline`: set up by a pre-release build that applied exactly the
-//!   squashed migrations 1-16 (the ones kept in `tests/fixtures/pre_baseline`).
-//!   Its schema is the baseline's, so [`adopt`] records it as the baseline in
-//!   one short transaction, and the later migrations apply as usual.
-//! - `Foreign`: anything else this build cannot stand on: a migration
-//!   applied by a newer build, one that failed half-way, one whose text
-//!   differs from this build's, or an other pre-release history. Nothing is
-//!   applied; the sentence says what to do.
+//!   `consume`) applies them. Not ready.
+//! - `PreBaseline`: set up by the last pre-release build (exactly the
+//!   squashed 0001-0016, kept in `tests/fixtures/pre_baseline`). Its schema
+//!   is the baseline's, so [`adopt`] records the baseline beside the old rows
+//!   in one short transaction (the old rows stay, so a pre-release process
+//!   still running keeps seeing its history), and the later migrations apply
+//!   as usual. Not ready until then.
+//! - `Foreign`: anything else this build cannot stand on: a migration that
+//!   failed half-way, one whose text differs from this build's (an
+//!   unreleased branch), another pre-release history, an almanac schema
+//!   with no record of its migrations. Nothing is applied; the sentence says
+//!   what to do. Not ready.
+//!
+//! Every state but `Current` and `Ahead` carries the sentence a person
+//! reads, the same in a refused start and in `/readyz`.
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::migrate::Migrator;
+use sqlx::{Connection, PgConnection, PgPool};
 
 use super::MIGRATOR;
 
@@ -42,21 +53,23 @@ const PRE_BASELINE: [(i64, &str); 11] = [
     (16, "6ab4aa925f16a4a78124b8188aa7f972b5d7038370c41545537883e3ea7f842fb654fc666bd0f2bcb4698002842cf58d"),
 ];
 
-/// The baseline's version.
-pub const BASELINE: i64 = 1;
+/// The baseline's version; every version below it is pre-release.
+pub const BASELINE: i64 = 100;
 
-const FIX: &str = "to start over, use a new database or run \
+const START_OVER: &str = "to start over, use a new database or run \
 `DROP SCHEMA almanac CASCADE; DROP TABLE _sqlx_migrations;` on this one (this deletes every job)";
 
 /// Where a database stands against this binary's migrations.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SchemaState {
-    /// Every embedded migration applied, nothing else.
+    /// Every embedded migration applied, nothing newer.
     Current,
+    /// Every embedded migration applied, and these newer ones too.
+    Ahead { versions: Vec<i64> },
     /// These embedded migrations are not applied yet.
     Pending { versions: Vec<i64> },
-    /// Set up by the pre-release migrations 1-16; [`adopt`] records it as
-    /// the baseline (and the migrations after it are then pending).
+    /// Set up by the pre-release migrations 1-16; [`adopt`] records the
+    /// baseline (and the migrations after it are then pending).
     PreBaseline,
     /// Applied migrations this build cannot stand on; `reason` says which
     /// and what to do.
@@ -67,7 +80,7 @@ impl SchemaState {
     /// `None` when ready; else the sentence a person reads.
     pub fn problem(&self) -> Option<String> {
         match self {
-            SchemaState::Current => None,
+            SchemaState::Current | SchemaState::Ahead { .. } => None,
             SchemaState::Pending { versions } => Some(format!(
                 "the database lacks {} almanac migration{}; run `almanac migrate`",
                 versions.len(),
@@ -79,6 +92,19 @@ impl SchemaState {
                     .to_string(),
             ),
             SchemaState::Foreign { reason } => Some(reason.clone()),
+        }
+    }
+
+    /// What a ready database still deserves a warning for.
+    pub fn warning(&self) -> Option<String> {
+        match self {
+            SchemaState::Ahead { versions } => Some(format!(
+                "the database has almanac migration{} {} from a newer release; this build runs \
+                 on it, but upgrade it soon",
+                if versions.len() == 1 { "" } else { "s" },
+                list(versions)
+            )),
+            _ => None,
         }
     }
 }
@@ -94,131 +120,172 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn applied(conn: &mut PgConnection) -> Result<Vec<Applied>, sqlx::Error> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-        .fetch_one(&mut *conn)
-        .await?;
-    if !exists {
-        return Ok(Vec::new());
+fn list(versions: &[i64]) -> String {
+    versions
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The applied migrations, and whether the `almanac` schema has its tables.
+async fn read(conn: &mut PgConnection) -> Result<(Vec<Applied>, bool), sqlx::Error> {
+    let (recorded, has_schema): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('_sqlx_migrations') IS NOT NULL, to_regclass('almanac.jobs') IS NOT NULL",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if !recorded {
+        return Ok((Vec::new(), has_schema));
     }
     let rows: Vec<(i64, bool, Vec<u8>)> =
         sqlx::query_as("SELECT version, success, checksum FROM _sqlx_migrations ORDER BY version")
             .fetch_all(&mut *conn)
             .await?;
-    Ok(rows
+    let applied = rows
         .into_iter()
         .map(|(version, success, checksum)| Applied {
             version,
             success,
             checksum,
         })
-        .collect())
+        .collect();
+    Ok((applied, has_schema))
 }
 
 /// Judges the applied migrations against the embedded ones.
-fn judge(applied: &[Applied]) -> SchemaState {
-    let is_pre_baseline = applied.len() == PRE_BASELINE.len()
-        && applied.iter().zip(PRE_BASELINE).all(|(a, (version, sum))| {
-            a.success && a.version == version && hex(&a.checksum) == sum
-        });
-    if is_pre_baseline {
-        return SchemaState::PreBaseline;
+fn judge(applied: &[Applied], has_schema: bool) -> SchemaState {
+    let embedded: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+    if applied.is_empty() {
+        if has_schema {
+            return SchemaState::Foreign {
+                reason: "the database has an almanac schema but no record of its migrations \
+                         (_sqlx_migrations is missing or empty: restored from a dump of the schema \
+                         alone?); restore _sqlx_migrations with it, or, "
+                    .to_string()
+                    + START_OVER,
+            };
+        }
+        return SchemaState::Pending { versions: embedded };
     }
     if let Some(failed) = applied.iter().find(|a| !a.success) {
         return SchemaState::Foreign {
             reason: format!(
-                "almanac migration {} failed half-way on this database and must be repaired by hand; {FIX}",
+                "almanac migration {} failed half-way on this database; repair it by hand (finish \
+                 or undo what it did, then delete its row from _sqlx_migrations) and start again",
                 failed.version
             ),
         };
     }
-    for a in applied {
+    let (old, new): (Vec<&Applied>, Vec<&Applied>) =
+        applied.iter().partition(|a| a.version < BASELINE);
+    let adoptable = old.len() == PRE_BASELINE.len()
+        && old
+            .iter()
+            .zip(PRE_BASELINE)
+            .all(|(a, (version, sum))| a.version == version && hex(&a.checksum) == sum);
+    if !old.is_empty() && !adoptable {
+        let versions: Vec<i64> = old.iter().map(|a| a.version).collect();
+        return SchemaState::Foreign {
+            reason: format!(
+                "the database was set up by a pre-release almanac build (migrations {}) that \
+                 this build cannot adopt: only the last pre-release schema (exactly 1-16) is \
+                 adopted; if _sqlx_migrations belongs to another application, give almanac its \
+                 own database; else {START_OVER}",
+                list(&versions)
+            ),
+        };
+    }
+    if new.is_empty() {
+        return if adoptable {
+            SchemaState::PreBaseline
+        } else {
+            SchemaState::Pending { versions: embedded }
+        };
+    }
+    let mut ahead = Vec::new();
+    for a in &new {
         match MIGRATOR.iter().find(|m| m.version == a.version) {
-            None if a.version <= PRE_BASELINE[PRE_BASELINE.len() - 1].0 => {
+            Some(m) if *m.checksum != *a.checksum => {
                 return SchemaState::Foreign {
                     reason: format!(
-                        "the database was set up by a pre-release almanac build whose migrations \
-                         (versions {}) this build cannot adopt; {FIX}",
-                        applied
-                            .iter()
-                            .map(|a| a.version.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                }
-            }
-            None => {
-                return SchemaState::Foreign {
-                    reason: format!(
-                        "the database has almanac migration {}, which this build does not know: \
-                         it was migrated by a newer almanac; run that version",
+                        "almanac migration {} on this database differs from this build's copy \
+                         (released migrations never change: this build or that database came \
+                         from an unreleased branch); use the build that migrated it, or {START_OVER}",
                         a.version
                     ),
                 }
             }
-            Some(m) if *m.checksum != *a.checksum => {
-                return SchemaState::Foreign {
-                    reason: if a.version == BASELINE {
-                        format!(
-                            "the database was set up by a pre-release almanac build whose migrations \
-                             this build cannot adopt; {FIX}"
-                        )
-                    } else {
-                        format!(
-                            "almanac migration {} on this database differs from this build's copy \
-                             (migrations are frozen once released: this build or that database \
-                             came from an unreleased branch); {FIX}",
-                            a.version
-                        )
-                    },
-                }
-            }
             Some(_) => {}
+            None => ahead.push(a.version),
         }
     }
-    let versions: Vec<i64> = MIGRATOR
-        .iter()
-        .map(|m| m.version)
-        .filter(|v| !applied.iter().any(|a| a.version == *v))
+    let pending: Vec<i64> = embedded
+        .into_iter()
+        .filter(|v| !new.iter().any(|a| a.version == *v))
         .collect();
-    if versions.is_empty() {
-        SchemaState::Current
-    } else {
-        SchemaState::Pending { versions }
+    match (pending.is_empty(), ahead.is_empty()) {
+        (true, true) => SchemaState::Current,
+        (true, false) => SchemaState::Ahead { versions: ahead },
+        (false, true) => SchemaState::Pending { versions: pending },
+        (false, false) => SchemaState::Foreign {
+            reason: format!(
+                "the database has almanac migration{} {} that this build does not know but lacks \
+                 {} that it has: it was migrated by a build from another branch; use that build",
+                if ahead.len() == 1 { "" } else { "s" },
+                list(&ahead),
+                list(&pending)
+            ),
+        },
     }
 }
 
 /// Where the database stands.
 pub async fn state(pool: &PgPool) -> Result<SchemaState, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    Ok(judge(&applied(&mut conn).await?))
+    let (applied, has_schema) = read(&mut conn).await?;
+    Ok(judge(&applied, has_schema))
 }
 
-/// Records a pre-release database as the baseline, in one transaction under
-/// an exclusive lock on `_sqlx_migrations` (a second process starting at
-/// the same time waits, then finds it adopted). Does nothing unless the
-/// database is [`SchemaState::PreBaseline`].
+/// The embedded migrations, run over a history [`state`] has judged: the
+/// pre-release rows kept beside the baseline, and a newer release's rows,
+/// are not this build's to refuse.
+pub fn migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.set_ignore_missing(true);
+    migrator
+}
+
+/// Records a pre-release database's schema as the baseline, beside its old
+/// rows, in one READ COMMITTED transaction under an exclusive lock on
+/// `_sqlx_migrations` (waiting at most 10 s for it): a second process
+/// starting at the same time waits, then finds it adopted. Does nothing
+/// unless the database is [`SchemaState::PreBaseline`].
 pub async fn adopt(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
     let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
         .fetch_one(&mut *tx)
         .await?;
     if !exists {
         return Ok(false);
     }
+    sqlx::query("SET LOCAL lock_timeout = '10s'")
+        .execute(&mut *tx)
+        .await?;
     sqlx::query("LOCK TABLE _sqlx_migrations IN EXCLUSIVE MODE")
         .execute(&mut *tx)
         .await?;
-    if judge(&applied(&mut tx).await?) != SchemaState::PreBaseline {
+    let (applied, has_schema) = read(&mut tx).await?;
+    if judge(&applied, has_schema) != SchemaState::PreBaseline {
         return Ok(false);
     }
     let baseline = MIGRATOR
         .iter()
         .find(|m| m.version == BASELINE)
         .expect("the baseline is embedded");
-    sqlx::query("DELETE FROM _sqlx_migrations")
-        .execute(&mut *tx)
-        .await?;
     sqlx::query(
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
          VALUES ($1, $2, true, $3, 0)",
@@ -229,7 +296,9 @@ pub async fn adopt(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    tracing::info!("recorded the pre-release schema (migrations 1-16) as the baseline");
+    tracing::info!(
+        "recorded the pre-release schema (migrations 1-16) as the baseline (migration {BASELINE})"
+    );
     Ok(true)
 }
 
@@ -254,54 +323,84 @@ mod tests {
             .collect()
     }
 
+    fn pre_release() -> Vec<(i64, Vec<u8>)> {
+        PRE_BASELINE.iter().map(|(v, s)| (*v, unhex(s))).collect()
+    }
+
+    fn this_build() -> Vec<(i64, Vec<u8>)> {
+        MIGRATOR
+            .iter()
+            .map(|m| (m.version, m.checksum.to_vec()))
+            .collect()
+    }
+
+    fn judged(list: &[(i64, Vec<u8>)]) -> SchemaState {
+        let list: Vec<(i64, &[u8])> = list.iter().map(|(v, s)| (*v, s.as_slice())).collect();
+        judge(&applied(&list), true)
+    }
+
     #[test]
     fn an_empty_database_lacks_every_migration() {
         let all: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
-        assert_eq!(judge(&[]), SchemaState::Pending { versions: all });
+        assert_eq!(judge(&[], false), SchemaState::Pending { versions: all });
+    }
+
+    #[test]
+    fn a_schema_without_its_record_is_not_taken_for_an_empty_database() {
+        let problem = judge(&[], true).problem().unwrap();
+        assert!(problem.contains("no record of its migrations"), "{problem}");
     }
 
     #[test]
     fn the_exact_pre_release_history_is_adoptable_and_a_partial_one_is_not() {
-        let full: Vec<(i64, Vec<u8>)> = PRE_BASELINE.iter().map(|(v, s)| (*v, unhex(s))).collect();
-        let list: Vec<(i64, &[u8])> = full.iter().map(|(v, s)| (*v, s.as_slice())).collect();
-        assert_eq!(judge(&applied(&list)), SchemaState::PreBaseline);
-        let partial = &list[..list.len() - 1];
-        let state = judge(&applied(partial));
-        let SchemaState::Foreign { reason } = state else {
-            panic!("{state:?}")
-        };
+        assert_eq!(judged(&pre_release()), SchemaState::PreBaseline);
+        let partial = &pre_release()[..PRE_BASELINE.len() - 1];
+        let problem = judged(partial).problem().unwrap();
         assert!(
-            reason.contains("pre-release") && reason.contains("DROP SCHEMA"),
-            "{reason}"
-        );
-    }
-
-    #[test]
-    fn a_migration_from_a_newer_build_says_so() {
-        let mut list: Vec<(i64, &[u8])> =
-            MIGRATOR.iter().map(|m| (m.version, &*m.checksum)).collect();
-        list.push((9999, b"x"));
-        let problem = judge(&applied(&list)).problem().unwrap();
-        assert!(
-            problem.contains("migration 9999") && problem.contains("newer almanac"),
+            problem.contains("pre-release") && problem.contains("DROP SCHEMA"),
             "{problem}"
         );
     }
 
     #[test]
-    fn a_modified_baseline_is_not_taken_for_the_current_schema() {
-        let list = [(BASELINE, b"other text".as_slice())];
-        assert!(matches!(
-            judge(&applied(&list)),
-            SchemaState::Foreign { .. }
-        ));
+    fn an_adopted_database_is_current_with_its_old_rows_kept() {
+        let mut list = pre_release();
+        list.extend(this_build());
+        assert_eq!(judged(&list), SchemaState::Current);
     }
 
     #[test]
-    fn a_failed_migration_is_named() {
+    fn a_newer_releases_migration_is_ready_with_a_warning() {
+        let mut list = this_build();
+        list.push((BASELINE + 1, b"newer".to_vec()));
+        let state = judged(&list);
+        assert_eq!(state.problem(), None);
+        let warning = state.warning().unwrap();
+        assert!(
+            warning.contains(&format!("migration {}", BASELINE + 1)) && warning.contains("newer"),
+            "{warning}"
+        );
+    }
+
+    #[test]
+    fn a_modified_migration_is_named_and_refused() {
+        let list = [(BASELINE, b"other text".to_vec())];
+        let problem = judged(&list).problem().unwrap();
+        assert!(
+            problem.contains(&format!("migration {BASELINE} on this database differs")),
+            "{problem}"
+        );
+    }
+
+    #[test]
+    fn a_failed_migration_is_named_without_advice_to_drop_everything() {
         let mut list = applied(&[(BASELINE, b"")]);
         list[0].success = false;
-        let problem = judge(&list).problem().unwrap();
-        assert!(problem.contains("migration 1 failed"), "{problem}");
+        let problem = judge(&list, true).problem().unwrap();
+        assert!(
+            problem.contains(&format!("migration {BASELINE} failed")),
+            "{problem}"
+        );
+        assert!(!problem.contains("DROP SCHEMA"), "{problem}");
     }
 }

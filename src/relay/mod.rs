@@ -143,6 +143,8 @@ impl Settings for RelayConfig {
         InvalidSetting::positive("[relay] poll_interval", self.poll_interval)?;
         InvalidSetting::positive("[relay] redrive_after", self.redrive_after)?;
         InvalidSetting::positive("[relay] reconcile_interval", self.reconcile_interval)?;
+        // Paces a failing relay too: zero would retry in a tight loop.
+        InvalidSetting::positive("[relay] retry base", self.retry.base)?;
         Ok(())
     }
 }
@@ -594,14 +596,26 @@ fn record_failed(metrics: &Metrics, sink: SinkKind, row: &FailedRow, job_buried:
     );
 }
 
+/// A LISTEN connection of its own, or `None` within [`LISTEN_DEADLINE`]
+/// (the relay polls meanwhile and tries again with its own pacing): an
+/// unreachable database cannot hold the relay's loop, nor its shutdown.
 async fn listen(pool: &PgPool) -> Option<PgListener> {
     let own = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
+        .acquire_timeout(LISTEN_DEADLINE)
         .connect_lazy_with((*pool.connect_options()).clone());
-    let mut listener = PgListener::connect_with(&own).await.ok()?;
-    listener.listen(NOTIFY_CHANNEL).await.ok()?;
-    Some(listener)
+    let connect = async {
+        let mut listener = PgListener::connect_with(&own).await.ok()?;
+        listener.listen(NOTIFY_CHANNEL).await.ok()?;
+        Some(listener)
+    };
+    tokio::time::timeout(LISTEN_DEADLINE, connect)
+        .await
+        .ok()
+        .flatten()
 }
+
+const LISTEN_DEADLINE: Duration = Duration::from_secs(5);
 
 /// One whole re-drive sweep over every candidate (see [`Relay::redrive`],
 /// which spreads a sweep over its rounds).

@@ -1,12 +1,13 @@
--- almanac's baseline schema (version 1).
+-- almanac's baseline schema (version 100).
 --
 -- This file squashes the pre-release migrations 0001-0016 into one; the
 -- schema it creates is checked in as `schema.sql`, and tests keep the two
--- equal. It is frozen: change the schema with a new migration, never by
--- editing this file (`tests/schema.rs` fails when a frozen migration
--- changes). A database created by a pre-release build that applied exactly
--- 0001-0016 has this schema already; `almanac::db` adopts it as the
--- baseline on start (see `db::migrate`).
+-- equal. It is frozen: change the schema with a new migration (0101 and
+-- up), never by editing this file (a test fails when a frozen migration
+-- changes). Versions below 100 belong to pre-release builds. A database
+-- that applied exactly the last pre-release 0001-0016 has this schema
+-- already; `almanac::db::schema` adopts it (records this version beside
+-- the old ones) on start.
 CREATE SCHEMA IF NOT EXISTS almanac;
 
 -- ----------------------------------------------------------------------
