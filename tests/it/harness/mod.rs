@@ -1,10 +1,10 @@
 //! Helpers shared by the integration tests: polling with a deadline, an
 //! execution log table, and the URL of a `#[sqlx::test]` database.
-#![allow(dead_code)]
 
 pub mod brokers;
 pub mod http;
 pub mod proxy;
+pub mod scheduler_proc;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

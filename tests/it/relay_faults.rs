@@ -1,18 +1,17 @@
 //! The relay when brokers misbehave: the broker goes away mid-stream, a
 //! RabbitMQ message is unroutable, a broker job's message is lost.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, redrive, Publisher, Relay, SinkConfig, SinkKind};
 use almanac::role::Settings;
-use common::brokers::{self, unique, Tansu};
-use common::count;
-use common::proxy::Proxy;
 use sqlx::PgPool;
+
+use crate::harness::brokers::{self, unique, Tansu};
+use crate::harness::count;
+use crate::harness::proxy::Proxy;
 
 async fn unpublished(pool: &PgPool) -> i64 {
     count(

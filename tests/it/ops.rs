@@ -3,8 +3,6 @@
 //! deletes exactly what retention says (in batches) and leaves the ledger
 //! whole, and bad operations settings fail the start with the flag named.
 
-mod common;
-
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
@@ -14,11 +12,12 @@ use almanac::metrics::Collector;
 use almanac::queue::{self, JobStatus, NewJob};
 use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
-use common::http::{get, get_with, sample};
-use common::proxy::Proxy;
-use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::http::{get, get_with, sample};
+use crate::harness::proxy::Proxy;
+use crate::harness::{self, count, eventually};
 
 fn almanac() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
@@ -62,7 +61,7 @@ impl Drop for KillOnDrop {
 /// then stop cleanly on SIGTERM.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     assert!(
@@ -528,7 +527,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
     finished_job(&pool, "report", "done", 1).await;
     let mut cmd = almanac();
     cmd.args(["janitor", "--once", "--done-retention", "2d"])
-        .env("DATABASE_URL", common::database_url(&pool));
+        .env("DATABASE_URL", harness::database_url(&pool));
     let out = output(cmd);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
@@ -541,7 +540,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
 /// exit, and nothing started (no migration applied, no port bound).
 #[sqlx::test(migrations = false)]
 async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = tempdir();
     std::fs::create_dir_all(dir.join("none")).unwrap();
     let run = |args: &[&str], config: Option<&str>| {
@@ -720,8 +719,8 @@ fn tempdir() -> std::path::PathBuf {
 async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
     use almanac::relay::routes::{self, RouteMode};
     use almanac::relay::{Publisher, Relay, SinkKind};
-    let sinks = common::brokers::sinks();
-    let destination = common::brokers::unique("metrics");
+    let sinks = harness::brokers::sinks();
+    let destination = harness::brokers::unique("metrics");
     let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
     publisher.ensure(&destination).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
@@ -756,7 +755,7 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
     let mut relay = Relay::new(
         pool.clone(),
         publisher,
-        common::brokers::relay_config().validated().unwrap(),
+        harness::brokers::relay_config().validated().unwrap(),
     );
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -805,7 +804,7 @@ async fn almanac_work_serves_http_when_asked(pool: PgPool) {
     let mut cmd = almanac();
     cmd.args(["work", "--handler", "noop=true", "--poll-interval", "100ms"])
         .args(["--http-addr", &addr])
-        .env("DATABASE_URL", common::database_url(&pool))
+        .env("DATABASE_URL", harness::database_url(&pool))
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let child = std::sync::Mutex::new(KillOnDrop(Some(cmd.spawn().unwrap())));

@@ -1,8 +1,6 @@
 //! The worker runtime against a real PostgreSQL: exactly-once under
 //! concurrency, crash recovery through the reaper, retries, shutdown.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,9 +8,10 @@ use almanac::maintenance::Reaper;
 use almanac::queue::{self, Backoff, JobStatus, NewJob};
 use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
-use common::{count, eventually, log_exec};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::{self, count, eventually, log_exec};
 
 fn fast(concurrency: usize) -> WorkerConfig {
     WorkerConfig {
@@ -32,7 +31,7 @@ fn fast(concurrency: usize) -> WorkerConfig {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     const JOBS: usize = 20_000;
     let mut conn = pool.acquire().await.unwrap();
     for chunk in 0..(JOBS / 5000) {
@@ -43,12 +42,12 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
     }
     drop(conn);
 
-    let shared = common::another_pool(&pool, 12).await;
+    let shared = harness::another_pool(&pool, 12).await;
     let stop = CancellationToken::new();
     let mut workers = Vec::new();
     for w in 0..8 {
         let worker = Worker::new(shared.clone(), fast(8).validated().unwrap())
-            .register("burn", common::logging_handler(shared.clone(), w));
+            .register("burn", harness::logging_handler(shared.clone(), w));
         workers.push(tokio::spawn(worker.run(stop.clone())));
     }
     eventually("every job to be done", Duration::from_secs(240), || async {
@@ -94,7 +93,7 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let id = queue::enqueue(&mut conn, &NewJob::new("report"))
         .await
@@ -160,7 +159,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
     let stop = CancellationToken::new();
     let survivor = tokio::spawn(
         Worker::new(pool.clone(), fast(2).validated().unwrap())
-            .register("report", common::logging_handler(pool.clone(), 2))
+            .register("report", harness::logging_handler(pool.clone(), 2))
             .run(stop.clone()),
     );
     eventually(
@@ -186,7 +185,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_failing_handler_retries_with_growing_delays_then_dies_with_last_error(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let id = queue::enqueue(&mut conn, &NewJob::new("flaky").max_attempts(4))
         .await

@@ -3,8 +3,6 @@
 //! adopted with its data, an upgrade from the baseline keeps data, and
 //! `/readyz` says what start-up says about every migration state.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -12,9 +10,11 @@ use std::time::Duration;
 use almanac::db::{self, SchemaState, MIGRATOR};
 use almanac::http::HttpServer;
 use almanac::queue::{self, Claim, NewJob};
-use common::http::get;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness;
+use crate::harness::http::get;
 
 const SCHEMA_SQL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/schema.sql");
 
@@ -79,7 +79,7 @@ async fn schema_sql_is_what_the_migrations_produce(pool: PgPool) {
 
 #[test]
 fn landed_migrations_never_change() {
-    let frozen = include_str!("fixtures/frozen_migrations.txt");
+    let frozen = include_str!("../fixtures/frozen_migrations.txt");
     let mut listed = 0;
     for line in frozen
         .lines()
@@ -266,7 +266,7 @@ async fn readyz_and_start_up_agree_on_a_database_from_a_newer_build(pool: PgPool
 
     let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
         .arg("migrate")
-        .env("DATABASE_URL", common::database_url(&pool))
+        .env("DATABASE_URL", harness::database_url(&pool))
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();

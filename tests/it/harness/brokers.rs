@@ -1,7 +1,6 @@
 //! Broker helpers: addresses (from the environment, with local defaults),
 //! unique destinations, raw readers, a private tansu. The TCP proxy is
 //! [`super::proxy`].
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};

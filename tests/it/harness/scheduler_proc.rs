@@ -1,7 +1,6 @@
 //! `almanac run --roles scheduler` as a child process, with its log captured,
-//! and the ledger checks the scheduler process tests share. Included with
-//! `#[path]` by tests/leader.rs and tests/leader_faults.rs.
-#![allow(dead_code)]
+//! and the ledger checks the scheduler process tests share (tests/it/leader.rs
+//! and tests/it/leader_faults.rs).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -73,10 +72,6 @@ impl Proc {
 
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
-    }
-
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
     }
 
     pub fn signal(&self, signal: i32) {

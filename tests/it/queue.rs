@@ -1,18 +1,17 @@
 //! The queue API against a real PostgreSQL: the fence, retries, the reaper,
 //! transactional and idempotent enqueue, operator actions.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::maintenance::{Reaper, ReaperConfig};
 use almanac::queue::{self, Claim, Enqueued, Failure, Fenced, JobStatus, NewJob, QueueError};
 use almanac::role::{Periodic, Settings};
-use common::eventually;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::harness::{self, eventually};
 
 fn kinds(k: &str) -> Vec<String> {
     vec![k.to_string()]
@@ -197,7 +196,7 @@ async fn an_enqueue_rolled_back_with_its_transaction_never_exists(pool: PgPool) 
         .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(
-        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        harness::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
         0
     );
     let none = queue::claim(
@@ -251,7 +250,7 @@ async fn a_duplicate_idempotency_key_reports_the_existing_job_and_adds_no_row(po
         assert_eq!(payload, json!({"i": n}));
     }
     assert_eq!(
-        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        harness::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
         4
     );
     let stored = queue::get(&pool, first.id()).await.unwrap();
