@@ -10,13 +10,9 @@ use sqlx::PgPool;
 use crate::harness::{self, count, eventually};
 
 fn almanac(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        // Many tests run at once: none takes the default port 9797.
-        .env("ALMANAC_HTTP_ADDR", "off")
-        .env_remove("ALMANAC_CONFIG")
-        .env("RUST_LOG", "warn")
         .output()
         .unwrap()
 }
@@ -163,7 +159,7 @@ async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("seen");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let mut child = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -172,7 +168,6 @@ async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
             "2",
         ])
         .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
         .unwrap();

@@ -1,7 +1,7 @@
 //! `almanac route`, `almanac run` (relay) and `almanac consume` as a person
 //! runs them, against RabbitMQ.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -10,23 +10,17 @@ use crate::harness::brokers::{amqp_url, unique};
 use crate::harness::{self, count, eventually};
 
 fn almanac(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        // Many tests run at once: none takes the default port 9797.
-        .env("ALMANAC_HTTP_ADDR", "off")
-        .env("RUST_LOG", "warn")
-        .env_remove("ALMANAC_AMQP_URL")
-        .env_remove("ALMANAC_KAFKA_BROKERS")
         .output()
         .unwrap()
 }
 
 fn spawn(url: &str, args: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
         .unwrap()

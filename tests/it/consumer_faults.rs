@@ -6,7 +6,7 @@
 //! return.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use almanac::consumer::{Consumer, ConsumerConfig};
@@ -52,11 +52,9 @@ fn consume(url: &str, sink: SinkKind, destination: &str, dir: &Path) -> Child {
         SinkKind::Kafka => args.extend(["--kafka-brokers".into(), brokers::kafka_brokers()]),
         SinkKind::Rabbitmq => args.extend(["--amqp-url".into(), brokers::amqp_url()]),
     }
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(&args)
         .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .env_remove("ALMANAC_CONFIG")
         .stdout(Stdio::null())
         .spawn()
         .unwrap()

@@ -312,7 +312,7 @@ async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_
         .await
         .unwrap()
         .id();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let child = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -373,7 +373,7 @@ async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_
 
 #[test]
 fn pass_env_takes_names_not_assignments() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let out = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -382,7 +382,6 @@ fn pass_env_takes_names_not_assignments() {
             "API_TOKEN=abc123",
         ])
         .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
-        .env_remove("ALMANAC_PASS_ENV")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));

@@ -3,7 +3,6 @@
 //! leader with nothing enabled that does not spin. (Frozen, terminated,
 //! stopped and clock-skewed leaders: tests/it/leader_faults.rs.)
 
-use std::process::Command;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -195,12 +194,10 @@ async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_noth
     let bad = "[nightly]\ncron = \"30 2 * * *\"\ncatchup = \"sometimes\"\n";
     let dir = dir_with("badfile", &[("a.toml", good), ("b.toml", bad)]);
     for args in [vec!["run", "--schedules"], vec!["schedules", "check"]] {
-        let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
+        let out = harness::almanac()
             .args(&args)
             .arg(&dir)
             .env("DATABASE_URL", &url)
-            // Many tests run at once: none takes the default port 9797.
-            .env("ALMANAC_HTTP_ADDR", "off")
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");

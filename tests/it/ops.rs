@@ -17,18 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::harness::http::{get, get_with, sample};
 use crate::harness::proxy::Proxy;
-use crate::harness::{self, count, eventually};
-
-fn almanac() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("ALMANAC_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.env("RUST_LOG", "warn");
-    cmd
-}
+use crate::harness::{self, almanac, count, eventually};
 
 fn output(mut cmd: Command) -> Output {
     cmd.stdin(Stdio::null()).output().unwrap()
@@ -69,7 +58,9 @@ async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
         "the README's first command is the one this test runs"
     );
     let mut cmd = almanac();
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+    // The only test that takes the default port: no ALMANAC_* variable at all.
+    cmd.env_remove("ALMANAC_HTTP_ADDR")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("run")
         .env("DATABASE_URL", &url)
         .stdout(Stdio::null())

@@ -558,7 +558,7 @@ async fn the_backfill_command_refuses_a_future_range_with_the_flag_to_use(pool: 
     std::fs::write(dir.join("d.toml"), "[daily]\ncron = \"0 3 * * *\"\n").unwrap();
     let today = db_now(&pool).await.date_naive();
     let backfill = |extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+        harness::almanac()
             .args(["backfill", "daily", "--from"])
             .arg((today - chrono::Days::new(3)).to_string())
             .arg("--to")

@@ -264,10 +264,9 @@ async fn readyz_and_start_up_agree_on_a_database_from_a_newer_build(pool: PgPool
     stop.cancel();
     serving.await.unwrap().unwrap();
 
-    let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let out = harness::almanac()
         .arg("migrate")
         .env("DATABASE_URL", harness::database_url(&pool))
-        .env("RUST_LOG", "warn")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -53,14 +53,8 @@ impl Drop for Proc {
 }
 
 fn almanac(url: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("ALMANAC_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.env("RUST_LOG", "warn")
-        .env("DATABASE_URL", url)
+    let mut cmd = harness::almanac();
+    cmd.env("DATABASE_URL", url)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());

@@ -1,5 +1,6 @@
-//! Helpers shared by the integration tests: polling with a deadline, an
-//! execution log table, and the URL of a `#[sqlx::test]` database.
+//! Helpers shared by the integration tests: polling with a deadline, the
+//! `almanac` binary in a clean environment, an execution log table, and the
+//! URL of a `#[sqlx::test]` database.
 
 pub mod brokers;
 pub mod http;
@@ -7,6 +8,7 @@ pub mod proxy;
 pub mod scheduler_proc;
 
 use std::future::Future;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
@@ -32,6 +34,25 @@ where
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(250));
     }
+}
+
+/// The `almanac` binary, as every test starts it: none of the test
+/// process's `ALMANAC_*` variables (a developer's exported settings, or
+/// `ALMANAC_TEST_*`) reaches it, it logs at `RUST_LOG=warn`, and its HTTP
+/// endpoint is off (`ALMANAC_HTTP_ADDR=off`). All tests run in one process,
+/// at the same time: only the README front-door test (tests/it/ops.rs)
+/// takes the default port 127.0.0.1:9797, by removing that variable; a test
+/// that wants the endpoint passes `--http-addr` (a flag beats the variable).
+/// Tests add their own arguments and variables, `RUST_LOG` included.
+pub fn almanac() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("ALMANAC_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "warn").env("ALMANAC_HTTP_ADDR", "off");
+    cmd
 }
 
 /// A table where handlers record each execution, to prove exactly-once.

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
@@ -19,7 +19,7 @@ impl Proc {
     /// A scheduler on `url` with `dir` as its schedules, standbys retrying
     /// every 300 ms, plus `extra` flags and `env`.
     pub fn start_with(url: &str, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_almanac"));
+        let mut command = super::almanac();
         command
             .args([
                 "run",
@@ -32,8 +32,6 @@ impl Proc {
             .arg(dir)
             .args(extra)
             .env("DATABASE_URL", url)
-            // Many tests run at once: none takes the default port 9797.
-            .env("ALMANAC_HTTP_ADDR", "off")
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
