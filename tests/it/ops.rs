@@ -743,28 +743,29 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
     )
     .unwrap_or(0.0);
 
-    let mut relay = Relay::new(
+    let relay = tokio::sync::Mutex::new(Relay::new(
         pool.clone(),
         publisher,
         harness::brokers::relay_config().validated().unwrap(),
-    );
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        relay.run_once().await.unwrap();
-        let published = count(
-            &pool,
-            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
-        )
-        .await;
-        if published == 3 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for the relay to publish 3 rows ({published} so far)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    ));
+    eventually(
+        "the relay to publish 3 rows",
+        Duration::from_secs(30),
+        || async {
+            relay.lock().await.run_once().await.unwrap();
+            let published = count(
+                &pool,
+                "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
+            )
+            .await;
+            if published == 3 {
+                Ok(())
+            } else {
+                Err(format!("{published} so far"))
+            }
+        },
+    )
+    .await;
     collector.run_once(&CancellationToken::new()).await.unwrap();
     let after = almanac::metrics::global().render();
     assert!(

@@ -194,7 +194,7 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
         10,
         "the rows are in flight"
     );
-    let mut relay = Relay::new(
+    let relay = Relay::new(
         pool.clone(),
         Publisher::new(sink, &sinks).unwrap(),
         RelayConfig {
@@ -204,17 +204,19 @@ async fn a_crash_after_ack_delivers_twice_and_runs_once(pool: PgPool, sink: Sink
         .validated()
         .unwrap(),
     );
-    // Poll until the in-flight lease ends and the rows go out again.
-    let mut published = 0;
-    let start = std::time::Instant::now();
-    while published < 10 {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the rows did not come back after their lease"
-        );
-        published += relay.run_once().await.unwrap().published;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Relay until the in-flight lease ends and the rows go out again.
+    let relaying = tokio::sync::Mutex::new((relay, 0));
+    eventually(
+        "the rows to come back after their lease",
+        Duration::from_secs(60),
+        || async {
+            let (relay, published) = &mut *relaying.lock().await;
+            *published += relay.run_once().await.unwrap().published;
+            *published >= 10
+        },
+    )
+    .await;
+    let (_, published) = relaying.into_inner();
     assert_eq!(published, 10);
     assert_eq!(unpublished(&pool).await, 0);
 

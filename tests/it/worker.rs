@@ -490,19 +490,20 @@ async fn a_claim_stuck_behind_a_lock_is_rolled_back_not_left_to_commit(pool: PgP
     // connections have queued behind the lock, one after another.
     let waiting = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
                    AND wait_event_type = 'Lock' AND query LIKE '%SKIP LOCKED%'";
-    let mut seen = std::collections::HashSet::new();
-    let mut most_at_once = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while seen.len() < 4 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker did not retry its claim"
-        );
-        let pids: Vec<i32> = sqlx::query_scalar(waiting).fetch_all(&pool).await.unwrap();
-        most_at_once = most_at_once.max(pids.len());
-        seen.extend(pids);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let sampled = std::sync::Mutex::new((std::collections::HashSet::new(), 0));
+    eventually(
+        "the worker to retry its claim, four times",
+        Duration::from_secs(30),
+        || async {
+            let pids: Vec<i32> = sqlx::query_scalar(waiting).fetch_all(&pool).await.unwrap();
+            let (seen, most_at_once) = &mut *sampled.lock().unwrap();
+            *most_at_once = pids.len().max(*most_at_once);
+            seen.extend(pids);
+            seen.len() >= 4
+        },
+    )
+    .await;
+    let (_, most_at_once) = sampled.into_inner().unwrap();
     assert!(
         most_at_once <= 2,
         "abandoned claims piled up on the server: {most_at_once} waiting at once"

@@ -216,14 +216,11 @@ impl Tansu {
             .spawn()
             .expect("tansu on PATH (scripts/services.sh installs it)");
         self.child = Some(child);
-        let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", self.port)).await.is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "tansu did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let port = self.port;
+        super::eventually("tansu to listen", Duration::from_secs(30), || async move {
+            TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+        })
+        .await;
     }
 
     pub fn down(&mut self) {

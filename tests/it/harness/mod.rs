@@ -15,24 +15,53 @@ use sqlx::PgPool;
 
 /// Polls `check` until it holds; panics naming `what` after `deadline`. The
 /// pause between checks grows from 10 ms to 250 ms so that a long wait does
-/// not load the database it is watching.
+/// not load the database it is watching. `check` answers `true`/`false`, or
+/// `Ok(())`/`Err(why not yet)`: the last `why` is in the panic message.
 pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
+    Fut: Future,
+    Fut::Output: Condition,
 {
     let start = Instant::now();
     let mut pause = Duration::from_millis(10);
     loop {
-        if check().await {
-            return;
-        }
+        let why_not = match check().await.holds() {
+            Ok(()) => return,
+            Err(why_not) => why_not,
+        };
         assert!(
             start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
+            "timed out after {deadline:?} waiting for {what}{}",
+            if why_not.is_empty() {
+                String::new()
+            } else {
+                format!(": {why_not}")
+            }
         );
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(250));
+    }
+}
+
+/// What an [`eventually`] check answers.
+pub trait Condition {
+    fn holds(self) -> Result<(), String>;
+}
+
+impl Condition for bool {
+    fn holds(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err(String::new())
+        }
+    }
+}
+
+impl Condition for Result<(), String> {
+    fn holds(self) -> Result<(), String> {
+        self
     }
 }
 
