@@ -324,9 +324,8 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
     let mut reports = Vec::new();
     for stop_number in 1..=3 {
         let log = pool.clone();
-        let worker = Worker::new(pool.clone(), config.clone().validated().unwrap()).register(
-            "hang",
-            move |ctx: JobContext| {
+        let worker = Worker::new(pool.clone(), config.clone().validated().unwrap())
+            .register("hang", move |ctx: JobContext| {
                 let log = log.clone();
                 async move {
                     harness::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
@@ -334,8 +333,8 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
                     std::future::pending::<()>().await;
                     Ok(())
                 }
-            },
-        );
+            })
+            .register("probe", |_ctx: JobContext| async { Ok(()) });
         let stop = CancellationToken::new();
         let running = tokio::spawn(worker.run(stop.clone()));
         if stop_number < 3 {
@@ -344,8 +343,15 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
             })
             .await;
         } else {
-            // The third worker finds nothing to run; give it a few polls.
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // The third worker finds nothing to run. It has looked once a
+            // job due after the dead one has run: claims take jobs in due
+            // order, and its one slot would have gone to a claimable `hang`
+            // job first and never come back (the handler never returns).
+            let probe = enqueue(&pool, "probe", 1, 1).await[0];
+            eventually("the probe job to run", Duration::from_secs(15), || async {
+                queue::get(&pool, probe).await.unwrap().status == JobStatus::Done
+            })
+            .await;
         }
         stop.cancel();
         let report = tokio::time::timeout(Duration::from_secs(15), running)
