@@ -1,9 +1,17 @@
 //! The integration tests, one binary: one module per area, and the harness
 //! they share (polling, the `almanac` launcher, brokers, the TCP proxy,
-//! HTTP, scheduler processes). One binary links once and runs every test in
-//! one process, so state that lives in the process is shared: the metrics
-//! registry (`almanac::metrics::global()`), ports, the environment and the
-//! current directory. The harness says how each is kept apart.
+//! HTTP, scheduler processes). One binary links once, and runs every test in
+//! one process, at the same time as others, so what lives in the process is
+//! shared:
+//!
+//! - the metrics registry (`almanac::metrics::global()`): assert counters on
+//!   kinds of the test's own or as a difference; a test asserting the gauges
+//!   its collector set holds [`harness::COLLECTOR_GAUGES`];
+//! - ports: bind 127.0.0.1:0; `almanac` processes start with their HTTP
+//!   endpoint off ([`harness::almanac`]), and only the README front-door test
+//!   (`ops::the_readme_first_command_serves_until_sigterm`) takes 9797;
+//! - the environment and the current directory: no test changes them; set
+//!   them on the child's `Command` instead.
 //!
 //! Run one area with `cargo test --test it queue::`, one test by its name.
 

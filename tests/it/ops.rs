@@ -331,6 +331,7 @@ async fn metric_families_move_after_real_work(pool: PgPool) {
     )
     .await;
 
+    let _gauges = harness::COLLECTOR_GAUGES.lock().await;
     Collector::new(pool.clone(), Valid::default())
         .run_once(&CancellationToken::new())
         .await
@@ -730,6 +731,7 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
             .unwrap();
     }
     let collector = Collector::new(pool.clone(), Valid::default());
+    let _gauges = harness::COLLECTOR_GAUGES.lock().await;
     collector.run_once(&CancellationToken::new()).await.unwrap();
     let before = almanac::metrics::global().render();
     assert_eq!(

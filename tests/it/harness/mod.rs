@@ -84,6 +84,14 @@ pub fn almanac() -> Command {
     cmd
 }
 
+/// Held by a test that runs a metrics `Collector` and asserts the gauges it
+/// set. The registry (`almanac::metrics::global()`) is one per process, and
+/// all tests share the process: a gauge holds whatever the last collector
+/// wrote, from its own test's database, so two such tests must not
+/// interleave. (Counters only grow; tests assert them on kinds of their own,
+/// or as a difference.)
+pub static COLLECTOR_GAUGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A table where handlers record each execution, to prove exactly-once.
 pub async fn create_exec_log(pool: &PgPool) {
     sqlx::query(
