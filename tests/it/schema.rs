@@ -66,7 +66,7 @@ fn assert_schema_sql(pool: &PgPool) {
         std::fs::write(&path, &actual).unwrap();
         panic!(
             "schema.sql differs from the schema the migrations produce (written to {}); \
-             after a new migration, run `ALMANAC_BLESS_SCHEMA=1 cargo test --test schema` and commit schema.sql",
+             after a new migration, run `ALMANAC_BLESS_SCHEMA=1 cargo test --test it schema::` and commit schema.sql",
             path.display()
         );
     }
