@@ -50,7 +50,7 @@ if ! port_open 9092; then
 fi
 
 # Headless Chromium and its WebDriver for the dashboard's browser tests
-# (tests/ui.rs), from Debian's packages.
+# (tests/it/ui.rs), from Debian's packages.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   echo "services: installing chromium and chromium-driver" >&2
   export DEBIAN_FRONTEND=noninteractive

@@ -2,8 +2,8 @@
 //! command line in a `sh` block parses with this CLI (so no sample names a
 //! flag or subcommand that does not exist), and every `toml` block loads as
 //! what it shows, an `almanac.toml` or a schedule file. (What the commands
-//! do is tested where the behaviour lives; `tests/ops.rs` loads the
-//! configuration sample and `tests/compose.rs` checks the Compose section.)
+//! do is tested where the behaviour lives; `tests/it/ops.rs` loads the
+//! configuration sample and `tests/it/compose.rs` checks the Compose section.)
 
 use std::path::{Path, PathBuf};
 

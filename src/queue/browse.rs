@@ -58,7 +58,7 @@ fn escape_like(text: &str) -> String {
     out
 }
 
-/// Prefix a statement with this to read its plan (`tests/ui.rs` checks that
+/// Prefix a statement with this to read its plan (`tests/it/ui.rs` checks that
 /// every statement here uses an index on a large table).
 pub const EXPLAIN: &str = "EXPLAIN (FORMAT JSON) ";
 

@@ -296,7 +296,7 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 // whole backlog through it for each mark (seen: 30 times slower). `o.id =
 // ANY($1)` beside the join with `unnest` gives the planner the primary key
 // (without it, it hashed the whole outbox). The plans are checked in
-// `tests/relay.rs`.
+// `tests/it/relay.rs`.
 
 /// The batch part of a mark: `$1` token, `$2` published ids, `$3` their
 /// jobs, `$4` asynchronous commit, `$5` every claimed row published (the

@@ -42,7 +42,7 @@
 //!   ([`crate::stats::snapshot`]); the jobs list is a keyset page on `id`
 //!   that scans a bounded id range ([`crate::queue::browse`]); the calendar
 //!   reads one schedule's ledger rows for its window and the statuses of
-//!   their jobs by primary key. `tests/ui.rs` checks the plans with
+//!   their jobs by primary key. `tests/it/ui.rs` checks the plans with
 //!   `EXPLAIN` on a table of done jobs.
 
 mod dead;

@@ -3,8 +3,6 @@
 //! deletes exactly what retention says (in batches) and leaves the ledger
 //! whole, and bad operations settings fail the start with the flag named.
 
-mod common;
-
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
@@ -15,22 +13,12 @@ use almanac::queue::{self, JobStatus, NewJob};
 use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::stats::Collector;
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
-use common::http::{get, get_with, sample};
-use common::proxy::Proxy;
-use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-fn almanac() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("ALMANAC_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.env("RUST_LOG", "warn");
-    cmd
-}
+use crate::harness::http::{get, get_with, sample};
+use crate::harness::proxy::Proxy;
+use crate::harness::{self, almanac, count, eventually};
 
 fn output(mut cmd: Command) -> Output {
     cmd.stdin(Stdio::null()).output().unwrap()
@@ -63,7 +51,7 @@ impl Drop for KillOnDrop {
 /// then stop cleanly on SIGTERM.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     assert!(
@@ -71,7 +59,9 @@ async fn the_readme_first_command_serves_until_sigterm(pool: PgPool) {
         "the README's first command is the one this test runs"
     );
     let mut cmd = almanac();
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+    // The only test that takes the default port: no ALMANAC_* variable at all.
+    cmd.env_remove("ALMANAC_HTTP_ADDR")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("run")
         .env("DATABASE_URL", &url)
         .stdout(Stdio::null())
@@ -533,7 +523,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
     finished_job(&pool, "report", "done", 1).await;
     let mut cmd = almanac();
     cmd.args(["janitor", "--once", "--done-retention", "2d"])
-        .env("DATABASE_URL", common::database_url(&pool));
+        .env("DATABASE_URL", harness::database_url(&pool));
     let out = output(cmd);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
@@ -546,7 +536,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
 /// exit, and nothing started (no migration applied, no port bound).
 #[sqlx::test(migrations = false)]
 async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = tempdir();
     std::fs::create_dir_all(dir.join("none")).unwrap();
     let run = |args: &[&str], config: Option<&str>| {
@@ -725,8 +715,8 @@ fn tempdir() -> std::path::PathBuf {
 async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
     use almanac::relay::routes::{self, RouteMode};
     use almanac::relay::{Publisher, Relay, SinkKind};
-    let sinks = common::brokers::sinks();
-    let destination = common::brokers::unique("metrics");
+    let sinks = harness::brokers::sinks();
+    let destination = harness::brokers::unique("metrics");
     let mut publisher = Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap();
     publisher.ensure(&destination).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
@@ -753,29 +743,32 @@ async fn relay_metrics_move_when_it_publishes(pool: PgPool) {
         Some(3.0)
     );
 
-    let mut relay = Relay::new(
-        pool.clone(),
-        publisher,
-        common::brokers::relay_config().validated().unwrap(),
-    )
-    .with_metrics(metrics.clone());
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        relay.run_once().await.unwrap();
-        let published = count(
-            &pool,
-            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
+    let relay = tokio::sync::Mutex::new(
+        Relay::new(
+            pool.clone(),
+            publisher,
+            harness::brokers::relay_config().validated().unwrap(),
         )
-        .await;
-        if published == 3 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for the relay to publish 3 rows ({published} so far)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .with_metrics(metrics.clone()),
+    );
+    eventually(
+        "the relay to publish 3 rows",
+        Duration::from_secs(30),
+        || async {
+            relay.lock().await.run_once().await.unwrap();
+            let published = count(
+                &pool,
+                "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
+            )
+            .await;
+            if published == 3 {
+                Ok(())
+            } else {
+                Err(format!("{published} so far"))
+            }
+        },
+    )
+    .await;
     collector.run_once(&CancellationToken::new()).await.unwrap();
     let after = metrics.render();
     assert_eq!(
@@ -805,7 +798,7 @@ async fn almanac_work_serves_http_when_asked(pool: PgPool) {
     let mut cmd = almanac();
     cmd.args(["work", "--handler", "noop=true", "--poll-interval", "100ms"])
         .args(["--http-addr", &addr])
-        .env("DATABASE_URL", common::database_url(&pool))
+        .env("DATABASE_URL", harness::database_url(&pool))
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let child = std::sync::Mutex::new(KillOnDrop(Some(cmd.spawn().unwrap())));

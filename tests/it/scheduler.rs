@@ -1,8 +1,6 @@
 //! The scheduler against a real PostgreSQL: catch-up policies after an
 //! outage (injected clock), overlap, backfill and gaps, and split brain.
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -10,8 +8,9 @@ use almanac::scheduler::backfill;
 use almanac::scheduler::spec::{load_sources, Schedule};
 use almanac::scheduler::ticker::Ticker;
 use chrono::{DateTime, Utc};
-use common::count;
 use sqlx::PgPool;
+
+use crate::harness::{self, count};
 
 fn schedules(text: &str) -> Vec<Schedule> {
     load_sources(&[("test.toml".into(), text.to_string())]).unwrap()
@@ -553,13 +552,13 @@ async fn a_backfill_into_the_future_is_refused_unless_allowed_and_hides_nothing(
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn the_backfill_command_refuses_a_future_range_with_the_flag_to_use(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = std::env::temp_dir().join(format!("almanac-backfill-future-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("d.toml"), "[daily]\ncron = \"0 3 * * *\"\n").unwrap();
     let today = db_now(&pool).await.date_naive();
     let backfill = |extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+        harness::almanac()
             .args(["backfill", "daily", "--from"])
             .arg((today - chrono::Days::new(3)).to_string())
             .arg("--to")

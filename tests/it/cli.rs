@@ -1,23 +1,18 @@
 //! The `almanac` binary as a person uses it: what it prints, its exit codes,
 //! and that bad input writes nothing.
 
-mod common;
-
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use almanac::queue::{self, JobStatus};
-use common::{count, eventually};
 use sqlx::PgPool;
 
+use crate::harness::{self, count, eventually};
+
 fn almanac(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        // Many tests run at once: none takes the default port 9797.
-        .env("ALMANAC_HTTP_ADDR", "off")
-        .env_remove("ALMANAC_CONFIG")
-        .env("RUST_LOG", "warn")
         .output()
         .unwrap()
 }
@@ -28,7 +23,7 @@ fn text(bytes: &[u8]) -> String {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn enqueue_prints_the_id_and_reports_duplicates_without_failing(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let first = almanac(
         &url,
         &[
@@ -68,7 +63,7 @@ async fn enqueue_prints_the_id_and_reports_duplicates_without_failing(pool: PgPo
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn bad_input_is_refused_with_a_clear_message_and_writes_nothing(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let bad_json = almanac(&url, &["enqueue", "mail", "--payload", "{to: 1}"]);
     assert_eq!(bad_json.status.code(), Some(2));
     assert!(
@@ -118,7 +113,7 @@ fn an_unreachable_database_is_named_without_its_password() {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn stats_and_list_show_the_queue(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     for kind in ["mail", "mail", "sms"] {
         assert!(almanac(&url, &["enqueue", kind]).status.success());
     }
@@ -159,12 +154,12 @@ async fn stats_and_list_show_the_queue(pool: PgPool) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = std::env::temp_dir().join(format!("almanac-cli-work-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("seen");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let mut child = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -173,7 +168,6 @@ async fn almanac_work_runs_commands_and_exits_cleanly_on_sigterm(pool: PgPool) {
             "2",
         ])
         .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
         .unwrap();

@@ -1,8 +1,6 @@
 //! A kind moves db -> dual -> broker while jobs flow: nothing lost, nothing
 //! run twice, and workers stop taking the kind once it is broker.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::consumer::{Consumer, ConsumerConfig};
@@ -12,16 +10,17 @@ use almanac::relay::{Publisher, Relay, RelayConfig, SinkKind};
 use almanac::role::{Role, Settings};
 use almanac::worker::{Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
-use common::brokers::{self, unique};
-use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::brokers::{self, unique};
+use crate::harness::{self, count, eventually};
 
 const WORKER: i32 = 0;
 const CONSUMER: i32 = 1;
 
 async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let sinks = brokers::sinks();
     let destination = unique("migrate");
     let mut publisher = Publisher::new(sink, &sinks).unwrap();
@@ -32,10 +31,10 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
         poll_interval: Duration::from_millis(20),
         ..WorkerConfig::default()
     };
-    let log = common::log_pool(&pool, 6).await;
+    let log = harness::log_pool(&pool, 6).await;
     let stop = CancellationToken::new();
     let worker = Worker::new(pool.clone(), config.clone().validated().unwrap())
-        .register("task", common::logging_handler(log.clone(), WORKER));
+        .register("task", harness::logging_handler(log.clone(), WORKER));
     let worker = tokio::spawn(worker.run(stop.clone()));
     let relay_config = RelayConfig {
         poll_interval: Duration::from_millis(20),
@@ -51,7 +50,7 @@ async fn switching_routes_while_jobs_flow(pool: PgPool, sink: SinkKind) {
         worker: config.validated().unwrap(),
     };
     let consumer = Consumer::new(pool.clone(), sinks.clone(), consumer_config)
-        .register("task", common::logging_handler(log.clone(), CONSUMER));
+        .register("task", harness::logging_handler(log.clone(), CONSUMER));
     let consumer = tokio::spawn(consumer.run(stop.clone()));
 
     // A producer enqueues 1,500 jobs in small transactions while the route changes.

@@ -10,8 +10,6 @@
 //! Also: `EXPLAIN` of every jobs-table statement the pages run, on a table
 //! of 200,000 done jobs, uses an index (no sequential scan of `almanac.jobs`).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -21,10 +19,11 @@ use almanac::queue::browse::{self, DeadFilter, JobQuery, EXPLAIN};
 use almanac::queue::JobStatus;
 use almanac::scheduler::history;
 use chrono::{DateTime, Utc};
-use common::{count, eventually};
 use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::{self, count, eventually};
 
 /// A synced schedule, parsed, and when it was first synced.
 async fn synced_schedule(
@@ -54,14 +53,8 @@ impl Drop for Proc {
 }
 
 fn almanac(url: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("ALMANAC_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.env("RUST_LOG", "warn")
-        .env("DATABASE_URL", url)
+    let mut cmd = harness::almanac();
+    cmd.env("DATABASE_URL", url)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
@@ -72,7 +65,7 @@ fn almanac(url: &str) -> Command {
 /// scheduler and the janitor (the test's ledger and old jobs stay as made).
 async fn serve(pool: &PgPool, actions: bool) -> (Proc, String) {
     let addr = format!("127.0.0.1:{}", free_port());
-    let mut cmd = almanac(&common::database_url(pool));
+    let mut cmd = almanac(&harness::database_url(pool));
     cmd.args(["run", "--roles", "reaper,metrics", "--http-addr", &addr]);
     if actions {
         cmd.arg("--ui-actions");
@@ -86,7 +79,9 @@ async fn serve(pool: &PgPool, actions: bool) -> (Proc, String) {
             let exited = child.0.try_wait().unwrap();
             assert!(exited.is_none(), "almanac run exited: {exited:?}");
             let probe = probe.clone();
-            async move { matches!(common::http::get(&probe, "/readyz").await, Ok(r) if r.status == 200) }
+            async move {
+                matches!(harness::http::get(&probe, "/readyz").await, Ok(r) if r.status == 200)
+            }
         },
     )
     .await;
@@ -519,7 +514,7 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
     )
     .unwrap();
     let args: Vec<&str> = command.split_whitespace().skip(1).collect();
-    let out = almanac(&common::database_url(&pool))
+    let out = almanac(&harness::database_url(&pool))
         .args(&args)
         .arg("--schedules")
         .arg(&dir)
@@ -599,7 +594,7 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
     };
     assert_eq!(status_of(dead_mail).await, JobStatus::Ready);
     let _worker = Proc(
-        almanac(&common::database_url(&pool))
+        almanac(&harness::database_url(&pool))
             .args(["work", "--handler", "mail=true", "--poll-interval", "100ms"])
             .spawn()
             .unwrap(),
@@ -909,10 +904,10 @@ async fn the_dashboard_sits_behind_basic_auth_when_configured(pool: PgPool) {
         "/routes",
         "/ui/style.css",
     ] {
-        let reply = common::http::get(&addr, path).await.unwrap();
+        let reply = harness::http::get(&addr, path).await.unwrap();
         assert_eq!(reply.status, 401, "{path}");
         // "ops:s3cret" in base64.
-        let reply = common::http::get_with(&addr, path, Some("Basic b3BzOnMzY3JldA=="))
+        let reply = harness::http::get_with(&addr, path, Some("Basic b3BzOnMzY3JldA=="))
             .await
             .unwrap();
         assert_eq!(reply.status, 200, "{path}: {}", reply.body);
@@ -920,7 +915,7 @@ async fn the_dashboard_sits_behind_basic_auth_when_configured(pool: PgPool) {
     let (status, _) = post(&addr, "/dead/retry", "kind=x").await;
     assert_eq!(status, 401, "an action without credentials");
     assert_eq!(
-        common::http::get(&addr, "/healthz").await.unwrap().status,
+        harness::http::get(&addr, "/healthz").await.unwrap().status,
         200
     );
     stop.cancel();

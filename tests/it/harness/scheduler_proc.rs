@@ -1,11 +1,10 @@
 //! `almanac run --roles scheduler` as a child process, with its log captured,
-//! and the ledger checks the scheduler process tests share. Included with
-//! `#[path]` by tests/leader.rs and tests/leader_faults.rs.
-#![allow(dead_code)]
+//! and the ledger checks the scheduler process tests share (tests/it/leader.rs
+//! and tests/it/leader_faults.rs).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
@@ -20,7 +19,7 @@ impl Proc {
     /// A scheduler on `url` with `dir` as its schedules, standbys retrying
     /// every 300 ms, plus `extra` flags and `env`.
     pub fn start_with(url: &str, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_almanac"));
+        let mut command = super::almanac();
         command
             .args([
                 "run",
@@ -33,8 +32,6 @@ impl Proc {
             .arg(dir)
             .args(extra)
             .env("DATABASE_URL", url)
-            // Many tests run at once: none takes the default port 9797.
-            .env("ALMANAC_HTTP_ADDR", "off")
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -73,10 +70,6 @@ impl Proc {
 
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
-    }
-
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
     }
 
     pub fn signal(&self, signal: i32) {

@@ -2,8 +2,6 @@
 //! destination while its old relay is gone, and an enqueue whose REPEATABLE
 //! READ snapshot predates a route change. Against the real brokers.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::consumer::{Consumer, ConsumerConfig};
@@ -13,10 +11,11 @@ use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
 use almanac::role::{Role, Settings};
 use almanac::worker::WorkerConfig;
-use common::brokers::{self, unique};
-use common::{count, eventually};
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::brokers::{self, unique};
+use crate::harness::{self, count, eventually};
 
 fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
     let config = ConsumerConfig {
@@ -35,7 +34,7 @@ fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Co
         .unwrap(),
     };
     Consumer::new(pool.clone(), brokers::sinks(), config)
-        .register("task", common::logging_handler(log, 1))
+        .register("task", harness::logging_handler(log, 1))
 }
 
 async fn ensure(sink: SinkKind, destination: &str) {
@@ -64,7 +63,7 @@ async fn set(
 /// Runs a relay and a consumer on `sink`/`destination` until `jobs` jobs
 /// are done; asserts each ran exactly once.
 async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i64) {
-    let log = common::log_pool(pool, 4).await;
+    let log = harness::log_pool(pool, 4).await;
     let stop = CancellationToken::new();
     let relay = Relay::new(
         pool.clone(),
@@ -99,7 +98,7 @@ async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i
 // ---- a kind moved to another sink or destination; the old relay is gone ----
 
 async fn moving_a_kind_strands_nothing(pool: PgPool, from: SinkKind, to: SinkKind) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let old = unique("old");
     let new = unique("new");
     ensure(from, &old).await;
@@ -175,7 +174,7 @@ async fn kafka_to_rabbitmq_with_the_old_relay_gone_runs_every_job_once(pool: PgP
 /// before `route set` committed. `before` is the route at snapshot time
 /// (`None`: the kind had none, so `db`).
 async fn stale_snapshot_heals_in_one_sweep(pool: PgPool, before: Option<&str>) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let sink = SinkKind::Rabbitmq;
     let new = unique("rr-new");
     ensure(sink, &new).await;
@@ -183,7 +182,7 @@ async fn stale_snapshot_heals_in_one_sweep(pool: PgPool, before: Option<&str>) {
         ensure(sink, old).await;
         set(&pool, RouteMode::Broker, sink, old).await;
     }
-    let mut app = common::another_pool(&pool, 1)
+    let mut app = harness::another_pool(&pool, 1)
         .await
         .acquire()
         .await

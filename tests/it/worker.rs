@@ -1,8 +1,6 @@
 //! The worker runtime against a real PostgreSQL: exactly-once under
 //! concurrency, crash recovery through the reaper, retries, shutdown.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,9 +8,10 @@ use almanac::maintenance::Reaper;
 use almanac::queue::{self, Backoff, JobStatus, NewJob};
 use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
-use common::{count, eventually, log_exec};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::{self, count, eventually, log_exec};
 
 fn fast(concurrency: usize) -> WorkerConfig {
     WorkerConfig {
@@ -32,7 +31,7 @@ fn fast(concurrency: usize) -> WorkerConfig {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     const JOBS: usize = 20_000;
     let mut conn = pool.acquire().await.unwrap();
     for chunk in 0..(JOBS / 5000) {
@@ -43,12 +42,12 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
     }
     drop(conn);
 
-    let shared = common::another_pool(&pool, 12).await;
+    let shared = harness::another_pool(&pool, 12).await;
     let stop = CancellationToken::new();
     let mut workers = Vec::new();
     for w in 0..8 {
         let worker = Worker::new(shared.clone(), fast(8).validated().unwrap())
-            .register("burn", common::logging_handler(shared.clone(), w));
+            .register("burn", harness::logging_handler(shared.clone(), w));
         workers.push(tokio::spawn(worker.run(stop.clone())));
     }
     eventually("every job to be done", Duration::from_secs(240), || async {
@@ -94,7 +93,7 @@ async fn eight_workers_burn_down_20000_jobs_each_exactly_once(pool: PgPool) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let id = queue::enqueue(&mut conn, &NewJob::new("report"))
         .await
@@ -160,7 +159,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
     let stop = CancellationToken::new();
     let survivor = tokio::spawn(
         Worker::new(pool.clone(), fast(2).validated().unwrap())
-            .register("report", common::logging_handler(pool.clone(), 2))
+            .register("report", harness::logging_handler(pool.clone(), 2))
             .run(stop.clone()),
     );
     eventually(
@@ -186,7 +185,7 @@ async fn a_job_whose_worker_died_mid_run_is_reaped_and_finished_by_another(pool:
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_failing_handler_retries_with_growing_delays_then_dies_with_last_error(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let id = queue::enqueue(&mut conn, &NewJob::new("flaky").max_attempts(4))
         .await
@@ -491,19 +490,20 @@ async fn a_claim_stuck_behind_a_lock_is_rolled_back_not_left_to_commit(pool: PgP
     // connections have queued behind the lock, one after another.
     let waiting = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
                    AND wait_event_type = 'Lock' AND query LIKE '%SKIP LOCKED%'";
-    let mut seen = std::collections::HashSet::new();
-    let mut most_at_once = 0;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while seen.len() < 4 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the worker did not retry its claim"
-        );
-        let pids: Vec<i32> = sqlx::query_scalar(waiting).fetch_all(&pool).await.unwrap();
-        most_at_once = most_at_once.max(pids.len());
-        seen.extend(pids);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let sampled = std::sync::Mutex::new((std::collections::HashSet::new(), 0));
+    eventually(
+        "the worker to retry its claim, four times",
+        Duration::from_secs(30),
+        || async {
+            let pids: Vec<i32> = sqlx::query_scalar(waiting).fetch_all(&pool).await.unwrap();
+            let (seen, most_at_once) = &mut *sampled.lock().unwrap();
+            *most_at_once = pids.len().max(*most_at_once);
+            seen.extend(pids);
+            seen.len() >= 4
+        },
+    )
+    .await;
+    let (_, most_at_once) = sampled.into_inner().unwrap();
     assert!(
         most_at_once <= 2,
         "abandoned claims piled up on the server: {most_at_once} waiting at once"

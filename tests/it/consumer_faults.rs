@@ -5,10 +5,8 @@
 //! expire); and a consumer whose database path freezes as its handlers
 //! return.
 
-mod common;
-
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use almanac::consumer::{Consumer, ConsumerConfig};
@@ -17,10 +15,11 @@ use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
 use almanac::role::{Role, Settings};
 use almanac::worker::{JobContext, WorkerConfig};
-use common::brokers::{self, unique};
-use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::brokers::{self, unique};
+use crate::harness::{self, count, eventually};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(unique(name));
@@ -53,11 +52,9 @@ fn consume(url: &str, sink: SinkKind, destination: &str, dir: &Path) -> Child {
         SinkKind::Kafka => args.extend(["--kafka-brokers".into(), brokers::kafka_brokers()]),
         SinkKind::Rabbitmq => args.extend(["--amqp-url".into(), brokers::amqp_url()]),
     }
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(&args)
         .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .env_remove("ALMANAC_CONFIG")
         .stdout(Stdio::null())
         .spawn()
         .unwrap()
@@ -99,7 +96,7 @@ async fn enqueue_and_publish(pool: &PgPool, kind: &str, sink: SinkKind) -> i64 {
 }
 
 async fn a_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool, sink: SinkKind) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let destination = unique("sigterm");
     let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
     publisher.ensure(&destination).await.unwrap();
@@ -175,7 +172,7 @@ async fn rabbitmq_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool)
 /// handlers return: every outcome is recorded (retried with the same lease)
 /// before the message is acked, and each job runs once.
 async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool, sink: SinkKind) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     const JOBS: usize = 5;
     let destination = unique("blip");
     let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
@@ -202,13 +199,13 @@ async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool
     );
     assert_eq!(relay.run_once().await.unwrap().published, JOBS as u64);
 
-    let proxy = common::proxy::Proxy::postgres().await;
+    let proxy = harness::proxy::Proxy::postgres().await;
     let proxied = sqlx::postgres::PgPoolOptions::new()
         .max_connections(6)
-        .connect(&proxy.postgres_url(&common::database_url(&pool)))
+        .connect(&proxy.postgres_url(&harness::database_url(&pool)))
         .await
         .unwrap();
-    let log = common::log_pool(&pool, 4).await;
+    let log = harness::log_pool(&pool, 4).await;
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
     let handler_gate = gate.clone();
     let config = ConsumerConfig {
@@ -230,7 +227,7 @@ async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool
         move |ctx: JobContext| {
             let (log, gate) = (log.clone(), handler_gate.clone());
             async move {
-                common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+                harness::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
                 gate.acquire().await.unwrap().forget();
                 Ok(())
             }

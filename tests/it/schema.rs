@@ -3,8 +3,6 @@
 //! adopted with its data, an upgrade from the baseline keeps data, and
 //! `/readyz` says what start-up says about every migration state.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -12,9 +10,11 @@ use std::time::Duration;
 use almanac::db::{self, SchemaState, MIGRATOR};
 use almanac::http::HttpServer;
 use almanac::queue::{self, Claim, NewJob};
-use common::http::get;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness;
+use crate::harness::http::get;
 
 const SCHEMA_SQL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/schema.sql");
 
@@ -66,7 +66,7 @@ fn assert_schema_sql(pool: &PgPool) {
         std::fs::write(&path, &actual).unwrap();
         panic!(
             "schema.sql differs from the schema the migrations produce (written to {}); \
-             after a new migration, run `ALMANAC_BLESS_SCHEMA=1 cargo test --test schema` and commit schema.sql",
+             after a new migration, run `ALMANAC_BLESS_SCHEMA=1 cargo test --test it schema::` and commit schema.sql",
             path.display()
         );
     }
@@ -79,7 +79,7 @@ async fn schema_sql_is_what_the_migrations_produce(pool: PgPool) {
 
 #[test]
 fn landed_migrations_never_change() {
-    let frozen = include_str!("fixtures/frozen_migrations.txt");
+    let frozen = include_str!("../fixtures/frozen_migrations.txt");
     let mut listed = 0;
     for line in frozen
         .lines()
@@ -253,10 +253,9 @@ async fn readyz(pool: &PgPool) -> (u16, String) {
 }
 
 fn almanac_migrate(pool: &PgPool) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let out = harness::almanac()
         .arg("migrate")
-        .env("DATABASE_URL", common::database_url(pool))
-        .env("RUST_LOG", "warn")
+        .env("DATABASE_URL", harness::database_url(pool))
         .output()
         .unwrap();
     (

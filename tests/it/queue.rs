@@ -1,18 +1,18 @@
 //! The queue API against a real PostgreSQL: the fence, retries, the reaper,
 //! transactional and idempotent enqueue, operator actions.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::maintenance::{Reaper, ReaperConfig};
 use almanac::queue::{self, Claim, Enqueued, Failure, Fenced, JobStatus, NewJob, QueueError};
 use almanac::role::{Periodic, Settings};
-use common::eventually;
+use chrono::{DateTime, Utc};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::harness::{self, eventually};
 
 fn kinds(k: &str) -> Vec<String> {
     vec![k.to_string()]
@@ -197,7 +197,7 @@ async fn an_enqueue_rolled_back_with_its_transaction_never_exists(pool: PgPool) 
         .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(
-        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        harness::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
         0
     );
     let none = queue::claim(
@@ -251,7 +251,7 @@ async fn a_duplicate_idempotency_key_reports_the_existing_job_and_adds_no_row(po
         assert_eq!(payload, json!({"i": n}));
     }
     assert_eq!(
-        common::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        harness::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
         4
     );
     let stored = queue::get(&pool, first.id()).await.unwrap();
@@ -357,7 +357,15 @@ async fn operators_retry_dead_jobs_and_cancel_ready_ones_and_are_told_otherwise(
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn stats_count_by_kind_and_status_and_see_expired_leases(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
-    for kind in ["a", "a", "b"] {
+    // The oldest ready job fell due 90 seconds ago (on the database's clock).
+    let due: DateTime<Utc> = sqlx::query_scalar("SELECT now() - interval '90 seconds'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    queue::enqueue(&mut conn, &NewJob::new("a").run_at(due))
+        .await
+        .unwrap();
+    for kind in ["a", "b"] {
         queue::enqueue(&mut conn, &NewJob::new(kind)).await.unwrap();
     }
     let job = claim_one(&pool, "b", Duration::from_millis(300)).await;
@@ -379,7 +387,25 @@ async fn stats_count_by_kind_and_status_and_see_expired_leases(pool: PgPool) {
         ]
     );
     assert_eq!(stats.expired_leases, 1);
-    assert!(stats.oldest_due_ready_seconds >= 0.0);
+    // Its wait: at least the 90 seconds, at most what has passed since
+    // `due` by the time the stats were read.
+    let since_due: f64 = sqlx::query_scalar("SELECT extract(epoch FROM now() - $1)::float8")
+        .bind(due)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let waited = stats.oldest_due_ready_seconds;
+    assert!(
+        (90.0..=since_due).contains(&waited),
+        "oldest due ready job waited {waited}s; 90s to {since_due}s expected"
+    );
+    // Per kind: only `a` has a due ready job (`b`'s is running), with that wait.
+    let per_kind: Vec<(&str, f64)> = stats
+        .oldest_due_ready
+        .iter()
+        .map(|k| (k.kind.as_str(), k.seconds))
+        .collect();
+    assert_eq!(per_kind, [("a", waited)]);
 }
 
 /// A job handed back unstarted (its claimant shutting down) gets its attempt

@@ -1,18 +1,17 @@
 //! The relay when brokers misbehave: the broker goes away mid-stream, a
 //! RabbitMQ message is unroutable, a broker job's message is lost.
 
-mod common;
-
 use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, redrive, Publisher, Relay, SinkConfig, SinkKind};
 use almanac::role::Settings;
-use common::brokers::{self, unique, Tansu};
-use common::count;
-use common::proxy::Proxy;
 use sqlx::PgPool;
+
+use crate::harness::brokers::{self, unique, Tansu};
+use crate::harness::proxy::Proxy;
+use crate::harness::{count, eventually};
 
 async fn unpublished(pool: &PgPool) -> i64 {
     count(
@@ -65,20 +64,25 @@ async fn broker_outage_loses_nothing<C, R>(
     assert_eq!(errors, 10, "each failed row keeps its error");
 
     restore().await;
-    let start = std::time::Instant::now();
-    while unpublished(&pool).await > 0 {
-        if start.elapsed() > Duration::from_secs(60) {
+    let relay = tokio::sync::Mutex::new(relay);
+    eventually(
+        "the relay to recover (every row published)",
+        Duration::from_secs(60),
+        || async {
+            if unpublished(&pool).await == 0 {
+                return Ok(());
+            }
             let errors: Vec<Option<String>> = sqlx::query_scalar(
                 "SELECT DISTINCT last_error FROM almanac.outbox WHERE published_at IS NULL",
             )
             .fetch_all(&pool)
             .await
             .unwrap();
-            panic!("the relay did not recover within 60s: {errors:?}");
-        }
-        let _ = relay.run_once().await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            let _ = relay.lock().await.run_once().await;
+            Err(format!("the unpublished rows' errors: {errors:?}"))
+        },
+    )
+    .await;
     assert_eq!(
         count(
             &pool,

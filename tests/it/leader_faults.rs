@@ -1,21 +1,20 @@
 //! The scheduler leader under the faults production has, with real
 //! `almanac run` processes and a schedule every two seconds: a leader whose
-//! connection freezes (half-open, through tests/common/proxy.rs), a leader
+//! connection freezes (half-open, through tests/it/harness/proxy.rs), a leader
 //! whose backend is terminated, a leader SIGSTOPped past the takeover time,
 //! and a leader whose host clock is minutes ahead. Each ends with the ledger
 //! check a user relies on: no logical run missing or doubled, none emitted
 //! before it was due.
 
-mod common;
-#[path = "common/scheduler_proc.rs"]
-mod scheduler_proc;
-
 use std::time::{Duration, Instant};
 
-use common::eventually;
-use common::proxy::Proxy;
-use scheduler_proc::{assert_every_run_once, db_now, dir_with, leader_backend, runs_after, Proc};
 use sqlx::PgPool;
+
+use crate::harness::proxy::Proxy;
+use crate::harness::scheduler_proc::{
+    assert_every_run_once, db_now, dir_with, leader_backend, runs_after, Proc,
+};
+use crate::harness::{self, eventually};
 
 const EVERY_2S: &str = "[pulse]\ncron = \"*/2 * * * * *\"\nkind = \"pulse\"\n";
 
@@ -55,7 +54,7 @@ async fn stop(procs: Vec<Proc>) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_frozen_leader_connection_loses_the_lock_to_a_standby_within_the_bound(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let proxy = Proxy::postgres().await;
     let dir = dir_with("freeze", &[("pulse.toml", EVERY_2S)]);
     let old = Proc::start_with(&proxy.postgres_url(&url), &dir, &FLAGS, &[]);
@@ -112,7 +111,7 @@ async fn a_frozen_leader_connection_loses_the_lock_to_a_standby_within_the_bound
 async fn a_terminated_leader_backend_moves_leadership_and_no_run_is_missing_or_doubled(
     pool: PgPool,
 ) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with("terminate", &[("pulse.toml", EVERY_2S)]);
     let procs = vec![
         Proc::start_with(&url, &dir, &FLAGS, &[]),
@@ -160,7 +159,7 @@ async fn a_terminated_leader_backend_moves_leadership_and_no_run_is_missing_or_d
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_leader_stopped_past_the_takeover_time_emits_nothing_twice_when_continued(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with("sigstop", &[("pulse.toml", EVERY_2S)]);
     let old = Proc::start_with(&url, &dir, &FLAGS, &[]);
     leads(&old, "the first process to lead").await;
@@ -202,7 +201,7 @@ async fn a_leader_stopped_past_the_takeover_time_emits_nothing_twice_when_contin
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_leader_whose_clock_runs_ahead_skips_nothing_and_emits_nothing_early(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with("skew", &[("pulse.toml", EVERY_2S)]);
     let proc = Proc::start_with(&url, &dir, &FLAGS, &[("ALMANAC_CLOCK_OFFSET", "5m")]);
     leads(&proc, "the skewed process to lead").await;

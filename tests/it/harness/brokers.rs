@@ -1,7 +1,6 @@
 //! Broker helpers: addresses (from the environment, with local defaults),
 //! unique destinations, raw readers, a private tansu. The TCP proxy is
 //! [`super::proxy`].
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
@@ -11,10 +10,14 @@ use tokio::net::TcpStream;
 
 use almanac::relay::{SinkConfig, SinkKind};
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
+use lapin::BasicProperties;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::ClientConfig;
 
 pub fn kafka_brokers() -> String {
@@ -76,13 +79,114 @@ pub async fn read(
     expect: usize,
     within: Duration,
 ) -> Vec<Received> {
+    let enough = |got: &[Received]| got.len() >= expect;
     match sink {
-        SinkKind::Kafka => read_kafka(destination, expect, within).await,
-        SinkKind::Rabbitmq => read_rabbit(destination, expect, within).await,
+        SinkKind::Kafka => read_kafka(destination, within, enough).await,
+        SinkKind::Rabbitmq => read_rabbit(destination, within, enough).await,
     }
 }
 
-async fn read_kafka(topic: &str, expect: usize, within: Duration) -> Vec<Received> {
+/// The key (Kafka) or message id (RabbitMQ) of [`read_to_end`]'s markers.
+const END: &str = "almanac-test-end";
+
+/// Every message `destination` holds, read to its end, for a test that must
+/// know nothing more is there (no duplicate, say) without waiting for nothing
+/// to come. An end marker goes in behind what is there (one per partition for
+/// Kafka), and the read stops when every marker is back: a queue and a
+/// partition keep their order, so all that was published before the markers
+/// has been read. Call it once the publishers have returned (what they
+/// published is confirmed, so it is ahead of the markers). Panics if the
+/// markers are not back within `within`.
+pub async fn read_to_end(sink: SinkKind, destination: &str, within: Duration) -> Vec<Received> {
+    let markers = match sink {
+        SinkKind::Kafka => append_kafka_markers(destination).await,
+        SinkKind::Rabbitmq => append_rabbit_marker(destination).await,
+    };
+    let ends = |got: &[Received]| got.iter().filter(|m| m.key == END).count();
+    let all_back = |got: &[Received]| ends(got) >= markers;
+    let got = match sink {
+        SinkKind::Kafka => read_kafka(destination, within, all_back).await,
+        SinkKind::Rabbitmq => read_rabbit(destination, within, all_back).await,
+    };
+    assert_eq!(
+        ends(&got),
+        markers,
+        "the end of {destination} not reached within {within:?}"
+    );
+    got.into_iter().filter(|m| m.key != END).collect()
+}
+
+/// One end marker at the end of each partition of `topic`; how many.
+async fn append_kafka_markers(topic: &str) -> usize {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_brokers())
+        .create()
+        .unwrap();
+    let metadata = producer
+        .client()
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .unwrap();
+    let partitions: Vec<i32> = metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| p.id())
+        .collect();
+    assert!(!partitions.is_empty(), "topic {topic} has no partitions");
+    for &partition in &partitions {
+        producer
+            .send(
+                FutureRecord::to(topic)
+                    .partition(partition)
+                    .key(END)
+                    .payload("{}"),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    partitions.len()
+}
+
+/// One end marker at the end of `queue`, confirmed by the broker.
+async fn append_rabbit_marker(queue: &str) -> usize {
+    let conn = lapin::Connection::connect(&amqp_url(), Default::default())
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirmation = channel
+        .basic_publish(
+            "",
+            queue,
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            b"{}",
+            BasicProperties::default().with_message_id(END.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(
+        confirmation.is_ack() && confirmation.take_message().is_none(),
+        "the end marker reached {queue}"
+    );
+    let _ = conn.close(200, "done").await;
+    1
+}
+
+/// Reads until `done` says the messages so far are enough, or `within` passes.
+async fn read_kafka(
+    topic: &str,
+    within: Duration,
+    done: impl Fn(&[Received]) -> bool,
+) -> Vec<Received> {
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", kafka_brokers())
         .set("group.id", unique("reader"))
@@ -93,7 +197,7 @@ async fn read_kafka(topic: &str, expect: usize, within: Duration) -> Vec<Receive
     consumer.subscribe(&[topic]).unwrap();
     let start = Instant::now();
     let mut out = Vec::new();
-    while out.len() < expect && start.elapsed() < within {
+    while !done(&out) && start.elapsed() < within {
         let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(500), consumer.recv()).await
         else {
             continue;
@@ -120,7 +224,11 @@ async fn read_kafka(topic: &str, expect: usize, within: Duration) -> Vec<Receive
     out
 }
 
-async fn read_rabbit(queue: &str, expect: usize, within: Duration) -> Vec<Received> {
+async fn read_rabbit(
+    queue: &str,
+    within: Duration,
+    done: impl Fn(&[Received]) -> bool,
+) -> Vec<Received> {
     let conn = lapin::Connection::connect(&amqp_url(), Default::default())
         .await
         .unwrap();
@@ -136,7 +244,7 @@ async fn read_rabbit(queue: &str, expect: usize, within: Duration) -> Vec<Receiv
         .unwrap();
     let start = Instant::now();
     let mut out = Vec::new();
-    while out.len() < expect && start.elapsed() < within {
+    while !done(&out) && start.elapsed() < within {
         let Ok(Some(Ok(d))) =
             tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await
         else {
@@ -217,14 +325,11 @@ impl Tansu {
             .spawn()
             .expect("tansu on PATH (scripts/services.sh installs it)");
         self.child = Some(child);
-        let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", self.port)).await.is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "tansu did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let port = self.port;
+        super::eventually("tansu to listen", Duration::from_secs(30), || async move {
+            TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+        })
+        .await;
     }
 
     pub fn down(&mut self) {

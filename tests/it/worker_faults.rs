@@ -1,9 +1,7 @@
 //! The executor under faults the way production has them: a worker whose
-//! database path freezes (half-open, through tests/common/proxy.rs) while a
+//! database path freezes (half-open, through tests/it/harness/proxy.rs) while a
 //! reaper elsewhere still reaches the database, a freeze just as handlers
 //! return, and a handler that ignores cancellation across shutdowns.
-
-mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,10 +12,11 @@ use almanac::queue::{self, Backoff, JobStatus, NewJob};
 use almanac::role::{Periodic, Role, Settings, Valid};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use chrono::{DateTime, Utc};
-use common::proxy::Proxy;
-use common::{count, eventually};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::proxy::Proxy;
+use crate::harness::{self, count, eventually};
 
 fn config(lease: Duration, concurrency: usize) -> WorkerConfig {
     WorkerConfig {
@@ -37,7 +36,7 @@ fn config(lease: Duration, concurrency: usize) -> WorkerConfig {
 
 /// A pool on the test database that goes through `proxy`.
 async fn through(proxy: &Proxy, pool: &PgPool, max_connections: u32) -> PgPool {
-    let url = proxy.postgres_url(&common::database_url(pool));
+    let url = proxy.postgres_url(&harness::database_url(pool));
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections)
         .connect(&url)
@@ -105,7 +104,7 @@ async fn a_worker_frozen_off_the_database_stops_its_handlers_before_its_leases_r
     // Margin 0.8 s: room for a loaded machine between cancel and the lease end.
     let lease = Duration::from_secs(4);
     let ids = enqueue(&pool, "report", JOBS, 5).await;
-    let log = common::log_pool(&pool, 8).await;
+    let log = harness::log_pool(&pool, 8).await;
     let proxy = Proxy::postgres().await;
 
     // Worker 1 reaches the database through the proxy; its handlers run
@@ -241,13 +240,13 @@ async fn a_two_second_cut_as_handlers_return_loses_no_outcome(pool: PgPool) {
 }
 
 async fn a_blip_as_handlers_return_loses_no_outcome(pool: PgPool, blip: Blip) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     const JOBS: usize = 20;
     // Renewals every 3 s, local deadline 7.2 s after the last one: a 2 s
     // freeze right after any renewal leaves time to record.
     let lease = Duration::from_secs(9);
     enqueue(&pool, "task", JOBS, 5).await;
-    let log = common::log_pool(&pool, 8).await;
+    let log = harness::log_pool(&pool, 8).await;
     let mut proxy = Proxy::postgres().await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let handler_gate = gate.clone();
@@ -258,7 +257,7 @@ async fn a_blip_as_handlers_return_loses_no_outcome(pool: PgPool, blip: Blip) {
     .register("task", move |ctx: JobContext| {
         let (log, gate) = (log.clone(), handler_gate.clone());
         async move {
-            common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+            harness::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
             gate.acquire().await.unwrap().forget();
             Ok(())
         }
@@ -316,7 +315,7 @@ async fn a_blip_as_handlers_return_loses_no_outcome(pool: PgPool, blip: Blip) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: PgPool) {
-    common::create_exec_log(&pool).await;
+    harness::create_exec_log(&pool).await;
     let id = enqueue(&pool, "hang", 1, 2).await[0];
     let config = WorkerConfig {
         shutdown_deadline: Duration::from_millis(300),
@@ -325,18 +324,17 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
     let mut reports = Vec::new();
     for stop_number in 1..=3 {
         let log = pool.clone();
-        let worker = Worker::new(pool.clone(), config.clone().validated().unwrap()).register(
-            "hang",
-            move |ctx: JobContext| {
+        let worker = Worker::new(pool.clone(), config.clone().validated().unwrap())
+            .register("hang", move |ctx: JobContext| {
                 let log = log.clone();
                 async move {
-                    common::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
+                    harness::log_exec(&log, ctx.job.id, ctx.job.attempts, 0).await;
                     // Deaf to cancellation: only being dropped stops it.
                     std::future::pending::<()>().await;
                     Ok(())
                 }
-            },
-        );
+            })
+            .register("probe", |_ctx: JobContext| async { Ok(()) });
         let stop = CancellationToken::new();
         let running = tokio::spawn(worker.run(stop.clone()));
         if stop_number < 3 {
@@ -345,8 +343,15 @@ async fn a_handler_that_ignores_cancellation_ends_dead_after_its_attempts(pool: 
             })
             .await;
         } else {
-            // The third worker finds nothing to run; give it a few polls.
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // The third worker finds nothing to run. It has looked once a
+            // job due after the dead one has run: claims take jobs in due
+            // order, and its one slot would have gone to a claimable `hang`
+            // job first and never come back (the handler never returns).
+            let probe = enqueue(&pool, "probe", 1, 1).await[0];
+            eventually("the probe job to run", Duration::from_secs(15), || async {
+                queue::get(&pool, probe).await.unwrap().status == JobStatus::Done
+            })
+            .await;
         }
         stop.cancel();
         let report = tokio::time::timeout(Duration::from_secs(15), running)

@@ -1,23 +1,19 @@
 //! `almanac run` processes: leader failover after SIGKILL with no logical run
 //! missing or doubled, SIGHUP reloads, bad schedule files at start, and a
 //! leader with nothing enabled that does not spin. (Frozen, terminated,
-//! stopped and clock-skewed leaders: tests/leader_faults.rs.)
+//! stopped and clock-skewed leaders: tests/it/leader_faults.rs.)
 
-mod common;
-#[path = "common/scheduler_proc.rs"]
-mod scheduler_proc;
-
-use std::process::Command;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use common::{count, eventually};
-use scheduler_proc::{dir_with, Proc};
 use sqlx::PgPool;
+
+use crate::harness::scheduler_proc::{db_now, dir_with, Proc};
+use crate::harness::{self, count, eventually};
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doubled(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with(
         "failover",
         &[(
@@ -112,7 +108,7 @@ async fn a_standby_takes_over_from_a_killed_leader_and_no_run_is_missing_or_doub
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn sighup_reloads_schedules_and_a_bad_file_keeps_the_old_set(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with(
         "reload",
         &[("a.toml", "[first]\ncron = \"*/2 * * * * *\"\n")],
@@ -193,17 +189,15 @@ async fn sighup_reloads_schedules_and_a_bad_file_keeps_the_old_set(pool: PgPool)
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_nothing(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let good = "[ok]\ncron = \"@daily\"\n";
     let bad = "[nightly]\ncron = \"30 2 * * *\"\ncatchup = \"sometimes\"\n";
     let dir = dir_with("badfile", &[("a.toml", good), ("b.toml", bad)]);
     for args in [vec!["run", "--schedules"], vec!["schedules", "check"]] {
-        let out = Command::new(env!("CARGO_BIN_EXE_almanac"))
+        let out = harness::almanac()
             .args(&args)
             .arg(&dir)
             .env("DATABASE_URL", &url)
-            // Many tests run at once: none takes the default port 9797.
-            .env("ALMANAC_HTTP_ADDR", "off")
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");
@@ -223,7 +217,7 @@ async fn a_bad_schedule_file_stops_the_start_with_file_and_line_and_applies_noth
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_leader_with_nothing_enabled_sleeps_instead_of_spinning(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let dir = dir_with(
         "idle",
         &[(
@@ -260,20 +254,20 @@ async fn a_leader_with_nothing_enabled_sleeps_instead_of_spinning(pool: PgPool) 
     let started = std::time::Instant::now();
     // Wait for a few heartbeats' worth of time by watching the database's
     // clock move (not a sleep that synchronises anything).
-    let t0 = scheduler_proc::db_now(&pool).await;
+    let t0 = db_now(&pool).await;
     eventually(
         "five seconds of database time",
         Duration::from_secs(30),
-        || async { scheduler_proc::db_now(&pool).await - t0 >= chrono::Duration::seconds(5) },
+        || async { db_now(&pool).await - t0 >= chrono::Duration::seconds(5) },
     )
     .await;
     // Statistics reach pg_stat_database within a second or so of a backend's
     // activity (PostgreSQL 15 flushes them at most every second).
-    let t1 = scheduler_proc::db_now(&pool).await;
+    let t1 = db_now(&pool).await;
     eventually(
         "statistics to be flushed",
         Duration::from_secs(30),
-        || async { scheduler_proc::db_now(&pool).await - t1 >= chrono::Duration::seconds(2) },
+        || async { db_now(&pool).await - t1 >= chrono::Duration::seconds(2) },
     )
     .await;
     let after = commits().await;

@@ -1,37 +1,87 @@
-//! Helpers shared by the integration tests: polling with a deadline, an
-//! execution log table, and the URL of a `#[sqlx::test]` database.
-#![allow(dead_code)]
+//! Helpers shared by the integration tests: polling with a deadline, the
+//! `almanac` binary in a clean environment, an execution log table, and the
+//! URL of a `#[sqlx::test]` database.
 
 pub mod brokers;
 pub mod http;
 pub mod proxy;
+pub mod scheduler_proc;
 
 use std::future::Future;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 
 /// Polls `check` until it holds; panics naming `what` after `deadline`. The
 /// pause between checks grows from 10 ms to 250 ms so that a long wait does
-/// not load the database it is watching.
+/// not load the database it is watching. `check` answers `true`/`false`, or
+/// `Ok(())`/`Err(why not yet)`: the last `why` is in the panic message.
 pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
+    Fut: Future,
+    Fut::Output: Condition,
 {
     let start = Instant::now();
     let mut pause = Duration::from_millis(10);
     loop {
-        if check().await {
-            return;
-        }
+        let why_not = match check().await.holds() {
+            Ok(()) => return,
+            Err(why_not) => why_not,
+        };
         assert!(
             start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
+            "timed out after {deadline:?} waiting for {what}{}",
+            if why_not.is_empty() {
+                String::new()
+            } else {
+                format!(": {why_not}")
+            }
         );
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(250));
     }
+}
+
+/// What an [`eventually`] check answers.
+pub trait Condition {
+    fn holds(self) -> Result<(), String>;
+}
+
+impl Condition for bool {
+    fn holds(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err(String::new())
+        }
+    }
+}
+
+impl Condition for Result<(), String> {
+    fn holds(self) -> Result<(), String> {
+        self
+    }
+}
+
+/// The `almanac` binary, as every test starts it: none of the test
+/// process's `ALMANAC_*` variables (a developer's exported settings, or
+/// `ALMANAC_TEST_*`) reaches it, it logs at `RUST_LOG=warn`, and its HTTP
+/// endpoint is off (`ALMANAC_HTTP_ADDR=off`). All tests run in one process,
+/// at the same time: only the README front-door test (tests/it/ops.rs)
+/// takes the default port 127.0.0.1:9797, by removing that variable; a test
+/// that wants the endpoint passes `--http-addr` (a flag beats the variable).
+/// Tests add their own arguments and variables, `RUST_LOG` included.
+pub fn almanac() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("ALMANAC_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "warn").env("ALMANAC_HTTP_ADDR", "off");
+    cmd
 }
 
 /// A table where handlers record each execution, to prove exactly-once.

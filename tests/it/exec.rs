@@ -1,8 +1,6 @@
 //! The exec handler end to end: payload on stdin, environment, each exit
 //! code, timeouts, and the kill when a lease is lost.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,10 +8,11 @@ use almanac::queue::{self, JobStatus, NewJob};
 use almanac::role::{Role, Settings};
 use almanac::worker::exec::ExecHandler;
 use almanac::worker::{Worker, WorkerConfig};
-use common::eventually;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::harness::{self, eventually};
 
 fn scratch(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("almanac-exec-{test}-{}", std::process::id()));
@@ -304,7 +303,7 @@ async fn a_child_that_escapes_the_process_group_cannot_hold_the_job(pool: PgPool
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_logs(pool: PgPool) {
     // Trust authentication ignores the password, so a URL may carry one.
-    let plain = common::database_url(&pool);
+    let plain = harness::database_url(&pool);
     let (scheme, rest) = plain.split_once("://").unwrap();
     let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
     let url = format!("{scheme}://postgres:pgS3cretPw@{host}");
@@ -313,7 +312,7 @@ async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_
         .await
         .unwrap()
         .id();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let child = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -374,7 +373,7 @@ async fn commands_get_a_clean_environment_and_no_password_reaches_last_error_or_
 
 #[test]
 fn pass_env_takes_names_not_assignments() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_almanac"))
+    let out = harness::almanac()
         .args([
             "work",
             "--handler",
@@ -383,7 +382,6 @@ fn pass_env_takes_names_not_assignments() {
             "API_TOKEN=abc123",
         ])
         .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
-        .env_remove("ALMANAC_PASS_ENV")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));

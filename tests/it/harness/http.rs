@@ -1,6 +1,5 @@
 //! A minimal HTTP/1.1 GET for the tests (no client crate needed): the status
 //! code and the body, or an error when nothing listens.
-#![allow(dead_code)]
 
 use std::time::Duration;
 

@@ -1,33 +1,26 @@
 //! `almanac route`, `almanac run` (relay) and `almanac consume` as a person
 //! runs them, against RabbitMQ.
 
-mod common;
-
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
-use common::brokers::{amqp_url, unique};
-use common::{count, eventually};
 use sqlx::PgPool;
 
+use crate::harness::brokers::{amqp_url, unique};
+use crate::harness::{self, count, eventually};
+
 fn almanac(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        // Many tests run at once: none takes the default port 9797.
-        .env("ALMANAC_HTTP_ADDR", "off")
-        .env("RUST_LOG", "warn")
-        .env_remove("ALMANAC_AMQP_URL")
-        .env_remove("ALMANAC_KAFKA_BROKERS")
         .output()
         .unwrap()
 }
 
 fn spawn(url: &str, args: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_almanac"))
+    harness::almanac()
         .args(args)
         .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
         .unwrap()
@@ -45,7 +38,7 @@ fn stop(mut child: Child) -> Option<i32> {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn route_set_refuses_what_it_cannot_do_and_names_no_password(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let out = almanac(&url, &["route", "set", "mail", "--mode", "broker"]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(text(&out.stderr), "error: mode broker needs a sink and a destination: add --sink kafka|rabbitmq --destination NAME");
@@ -102,7 +95,7 @@ async fn route_set_refuses_what_it_cannot_do_and_names_no_password(pool: PgPool)
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let amqp = amqp_url();
     let queue = unique("cli");
     let dir = std::env::temp_dir().join(format!("almanac-cli-broker-{}", std::process::id()));
@@ -219,7 +212,7 @@ async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPool) {
     use sqlx::Connection;
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     almanac::relay::routes::set(
         &mut pool.acquire().await.unwrap(),
         "mail",
@@ -230,7 +223,7 @@ async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPo
     .await
     .unwrap();
     // An application enqueued the kind in a transaction it keeps open.
-    let mut app = common::another_pool(&pool, 1)
+    let mut app = harness::another_pool(&pool, 1)
         .await
         .acquire()
         .await
@@ -295,7 +288,7 @@ async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPo
         1
     );
     // Once the transaction is gone the change goes through.
-    let url = common::database_url(&pool);
+    let url = harness::database_url(&pool);
     let out = almanac(
         &url,
         &[

@@ -7,7 +7,6 @@
 //!   and held. [`Proxy::thaw`] resumes forwarding, buffered bytes included.
 //! - [`Proxy::cut`]: drops every connection and refuses new ones;
 //!   [`Proxy::restore`] listens again on the same port.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 
