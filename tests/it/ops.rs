@@ -164,6 +164,7 @@ async fn readyz_is_503_while_the_database_is_unreachable_and_200_when_it_is_back
     assert_eq!((ready.status, ready.body.trim()), (200, "ready"));
 
     proxy.cut();
+    proxy.closed().await;
     let reply = get(&addr, "/readyz").await.unwrap();
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert!(

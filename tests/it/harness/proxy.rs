@@ -9,6 +9,9 @@
 //!   [`Proxy::restore`] listens again on the same port.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -21,6 +24,24 @@ pub struct Proxy {
     target: SocketAddr,
     stop: CancellationToken,
     frozen: watch::Sender<bool>,
+    /// Client connections whose sockets are still open.
+    live: Arc<AtomicUsize>,
+}
+
+/// Counts a connection as live until its task ends and drops its sockets.
+struct Live(Arc<AtomicUsize>);
+
+impl Live {
+    fn new(live: &Arc<AtomicUsize>) -> Live {
+        live.fetch_add(1, Ordering::SeqCst);
+        Live(live.clone())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Proxy {
@@ -29,12 +50,20 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let stop = CancellationToken::new();
         let (frozen, _) = watch::channel(false);
-        tokio::spawn(serve(listener, target, stop.clone(), frozen.subscribe()));
+        let live = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(serve(
+            listener,
+            target,
+            stop.clone(),
+            frozen.subscribe(),
+            live.clone(),
+        ));
         Proxy {
             port,
             target,
             stop,
             frozen,
+            live,
         }
     }
 
@@ -66,6 +95,22 @@ impl Proxy {
         self.stop.cancel();
     }
 
+    /// Waits until every connection a [`Proxy::cut`] dropped is closed on
+    /// the client's side too (the forwarding tasks notice the cut a moment
+    /// later): from then on, no request gets through.
+    pub async fn closed(&self) {
+        let live = self.live.clone();
+        super::eventually(
+            "the cut connections to close",
+            Duration::from_secs(5),
+            || {
+                let live = live.clone();
+                async move { live.load(Ordering::SeqCst) == 0 }
+            },
+        )
+        .await;
+    }
+
     /// Listens again on the same port (and thaws).
     pub async fn restore(&mut self) {
         let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
@@ -76,6 +121,7 @@ impl Proxy {
             self.target,
             self.stop.clone(),
             self.frozen.subscribe(),
+            self.live.clone(),
         ));
     }
 }
@@ -91,6 +137,7 @@ async fn serve(
     target: SocketAddr,
     stop: CancellationToken,
     frozen: watch::Receiver<bool>,
+    live: Arc<AtomicUsize>,
 ) {
     loop {
         let accepted = tokio::select! {
@@ -102,7 +149,9 @@ async fn serve(
         };
         let stop = stop.clone();
         let mut frozen = frozen.clone();
+        let live = Live::new(&live);
         tokio::spawn(async move {
+            let _live = live;
             if !thawed(&mut frozen, &stop).await {
                 return;
             }
