@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 use super::ops::{HttpFlags, JanitorFlags, UiFlags};
 use super::sinks::{RelayFlags, SinkFlags};
 use super::{Ctx, SchedulesDir};
+use crate::broker::SinkConfig;
 use crate::config::{pick, HumanDuration};
 use crate::http::HttpAddr;
 use crate::maintenance::{Janitor, Reaper, ReaperConfig};
@@ -66,44 +67,82 @@ pub struct Args {
     relay: RelayFlags,
 }
 
-pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
-    let sinks = args.sinks.resolve(ctx)?;
-    let explicit: Option<Vec<RoleName>> = if !args.roles.is_empty() {
-        Some(args.roles.clone())
-    } else {
+/// The roles to run: `--roles` (or `roles`), else every role that applies;
+/// a role that cannot work with these settings fails the start.
+fn roles(
+    ctx: &Ctx,
+    args: &Args,
+    sinks: &SinkConfig,
+    http_on: bool,
+) -> anyhow::Result<Vec<RoleName>> {
+    let explicit = if args.roles.is_empty() {
         ctx.config.roles.clone()
+    } else {
+        Some(args.roles.clone())
     };
-    let http_on = args.http.addr(ctx, HttpAddr::RUN_DEFAULT).0.is_some();
-    let roles: Vec<RoleName> = match explicit {
-        Some(list) => list,
-        None => RoleName::RUN
+    let roles: Vec<RoleName> = explicit.unwrap_or_else(|| {
+        RoleName::RUN
             .into_iter()
             .filter(|r| match r {
                 RoleName::Relay => !sinks.configured().is_empty(),
                 RoleName::Metrics => http_on,
                 _ => true,
             })
-            .collect(),
-    };
-    let wants = |role: RoleName| roles.contains(&role);
-    if wants(RoleName::Relay) && sinks.configured().is_empty() {
+            .collect()
+    });
+    if roles.contains(&RoleName::Relay) && sinks.configured().is_empty() {
         bail!("the relay role needs a sink: pass --kafka-brokers or --amqp-url (or leave `relay` out of --roles)");
     }
-    if wants(RoleName::Metrics) && !http_on {
+    if roles.contains(&RoleName::Metrics) && !http_on {
         bail!("the metrics role feeds the HTTP endpoint, which is off: set --http-addr (or leave `metrics` out of --roles)");
     }
+    Ok(roles)
+}
+
+/// The scheduler, its schedule files loaded (a bad file fails the start).
+fn scheduler(ctx: &Ctx, args: &Args) -> anyhow::Result<Scheduler> {
+    let d = SchedulerConfig::default();
+    let config = SchedulerConfig {
+        schedules_dir: args.schedules.resolve(ctx),
+        standby_retry: pick(
+            args.standby_retry,
+            ctx.config.scheduler.standby_retry,
+            d.standby_retry,
+        ),
+        leader_timeout: pick(
+            args.leader_timeout,
+            ctx.config.scheduler.leader_timeout,
+            d.leader_timeout,
+        ),
+        clock_offset: match args.clock_offset.as_deref() {
+            Some(text) => crate::scheduler::parse_offset(text)
+                .map_err(|e| anyhow::anyhow!("--clock-offset: {e}"))?,
+            None => d.clock_offset,
+        },
+        ..d
+    };
+    let config = config.validated().map_err(super::invalid)?;
+    Ok(Scheduler::new(ctx.connect_options()?, config)?)
+}
+
+pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
+    let sinks = args.sinks.resolve(ctx)?;
+    let http_on = args.http.addr(ctx, HttpAddr::RUN_DEFAULT).0.is_some();
+    let roles = roles(ctx, &args, &sinks, http_on)?;
+    let wants = |role: RoleName| roles.contains(&role);
 
     // Validate every setting and load the schedule files before anything
     // starts: bad input fails the start, and nothing runs half-configured.
-    let reaper = {
-        let d = ReaperConfig::default();
-        ReaperConfig {
-            interval: pick(args.reaper_interval, ctx.config.reaper.interval, d.interval),
-            batch_size: args
-                .reaper_batch_size
-                .or(ctx.config.reaper.batch_size)
-                .unwrap_or(d.batch_size),
-        }
+    let reaper = ReaperConfig {
+        interval: pick(
+            args.reaper_interval,
+            ctx.config.reaper.interval,
+            ReaperConfig::default().interval,
+        ),
+        batch_size: args
+            .reaper_batch_size
+            .or(ctx.config.reaper.batch_size)
+            .unwrap_or(ReaperConfig::default().batch_size),
     };
     let reaper = reaper.validated().map_err(super::invalid)?;
     let janitor = args.janitor.resolve(ctx)?;
@@ -117,28 +156,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let collector = collector.validated().map_err(super::invalid)?;
     let relay = args.relay.resolve(ctx, &sinks)?;
     let scheduler = if wants(RoleName::Scheduler) {
-        let d = SchedulerConfig::default();
-        let config = SchedulerConfig {
-            schedules_dir: args.schedules.resolve(ctx),
-            standby_retry: pick(
-                args.standby_retry,
-                ctx.config.scheduler.standby_retry,
-                d.standby_retry,
-            ),
-            leader_timeout: pick(
-                args.leader_timeout,
-                ctx.config.scheduler.leader_timeout,
-                d.leader_timeout,
-            ),
-            clock_offset: match args.clock_offset.as_deref() {
-                Some(text) => crate::scheduler::parse_offset(text)
-                    .map_err(|e| anyhow::anyhow!("--clock-offset: {e}"))?,
-                None => d.clock_offset,
-            },
-            ..d
-        };
-        let config = config.validated().map_err(super::invalid)?;
-        Some(Scheduler::new(ctx.connect_options()?, config)?)
+        Some(scheduler(ctx, &args)?)
     } else {
         None
     };

@@ -238,36 +238,25 @@ mod tests {
         }
     }
 
-    /// The `[default: ...]` a flag's help states is the value the code
-    /// uses when neither the flag, its variable nor the file sets it.
-    #[test]
-    fn the_documented_defaults_are_the_defaults_the_code_uses() {
-        use std::time::Duration;
+    enum Is {
+        Time(std::time::Duration),
+        Count(i64),
+    }
 
+    /// The value each setting takes when nothing sets it, from the code.
+    fn code_defaults() -> Vec<(&'static str, Is)> {
         use crate::broker::SinkConfig;
-        use crate::config::HumanDuration;
         use crate::maintenance::{JanitorConfig, ReaperConfig};
         use crate::relay::RelayConfig;
         use crate::scheduler::SchedulerConfig;
         use crate::stats::CollectorConfig;
         use crate::worker::WorkerConfig;
 
-        enum Is {
-            Time(Duration),
-            Count(i64),
-        }
-        let (reaper, janitor, metrics) = (
-            ReaperConfig::default(),
-            JanitorConfig::default(),
-            CollectorConfig::default(),
-        );
-        let (relay, sinks, scheduler) = (
-            RelayConfig::default(),
-            SinkConfig::default(),
-            SchedulerConfig::default(),
-        );
+        let (reaper, janitor) = (ReaperConfig::default(), JanitorConfig::default());
+        let (relay, sinks) = (RelayConfig::default(), SinkConfig::default());
+        let scheduler = SchedulerConfig::default();
         let worker = WorkerConfig::for_commands();
-        let cases = [
+        vec![
             ("[reaper] interval", Is::Time(reaper.interval)),
             ("[reaper] batch_size", Is::Count(reaper.batch_size)),
             ("[janitor] interval", Is::Time(janitor.interval)),
@@ -279,7 +268,10 @@ mod tests {
             ),
             ("[janitor] batch_size", Is::Count(janitor.batch_size)),
             ("[janitor] pause", Is::Time(janitor.pause)),
-            ("[metrics] interval", Is::Time(metrics.interval)),
+            (
+                "[metrics] interval",
+                Is::Time(CollectorConfig::default().interval),
+            ),
             ("[relay] redrive_after", Is::Time(relay.redrive_after)),
             ("[relay] in_flight_lease", Is::Time(relay.in_flight_lease)),
             (
@@ -318,21 +310,26 @@ mod tests {
                 "[worker] shutdown_deadline",
                 Is::Time(worker.shutdown_deadline),
             ),
-        ];
-        for (key, actual) in cases {
+        ]
+    }
+
+    /// The `[default: ...]` a flag's help states is the value the code
+    /// uses when neither the flag, its variable nor the file sets it.
+    #[test]
+    fn the_documented_defaults_are_the_defaults_the_code_uses() {
+        use crate::config::HumanDuration;
+
+        for (key, actual) in code_defaults() {
             let flag = SETTINGS.iter().find(|s| s.key == key).unwrap().flag;
             let (_, documented) = split_help(&describe(flag).unwrap().help);
+            let what = format!("{flag} ({key}) documents [default: {documented}]");
             match actual {
                 Is::Time(d) => assert_eq!(
                     documented.parse::<HumanDuration>().map(|h| h.0),
                     Ok(d),
-                    "{flag} ({key}) documents [default: {documented}]"
+                    "{what}"
                 ),
-                Is::Count(n) => assert_eq!(
-                    documented.parse::<i64>(),
-                    Ok(n),
-                    "{flag} ({key}) documents [default: {documented}]"
-                ),
+                Is::Count(n) => assert_eq!(documented.parse::<i64>(), Ok(n), "{what}"),
             }
         }
     }

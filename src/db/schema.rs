@@ -203,8 +203,14 @@ fn judge(applied: &[Applied], has_schema: bool) -> SchemaState {
             SchemaState::Pending { versions: embedded }
         };
     }
+    released(&new, embedded)
+}
+
+/// Judges the baseline and later migrations applied (`new`) against the
+/// embedded ones.
+fn released(new: &[&Applied], embedded: Vec<i64>) -> SchemaState {
     let mut ahead = Vec::new();
-    for a in &new {
+    for a in new {
         match MIGRATOR.iter().find(|m| m.version == a.version) {
             Some(m) if *m.checksum != *a.checksum => {
                 return SchemaState::Foreign {
