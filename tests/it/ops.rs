@@ -207,32 +207,6 @@ async fn readyz_is_503_while_the_database_is_unreachable_and_200_when_it_is_back
     serving.await.unwrap().unwrap();
 }
 
-#[sqlx::test(migrations = false)]
-async fn readyz_is_503_naming_missing_migrations(pool: PgPool) {
-    let server = HttpServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        None,
-        &pool.connect_options(),
-    )
-    .await
-    .unwrap();
-    let addr = server.local_addr().to_string();
-    let stop = CancellationToken::new();
-    let serving = tokio::spawn(server.run(stop.clone()));
-    let reply = get(&addr, "/readyz").await.unwrap();
-    assert_eq!(reply.status, 503);
-    let n = almanac::db::MIGRATOR.iter().count();
-    let plural = if n == 1 { "" } else { "s" };
-    assert_eq!(
-        reply.body.trim(),
-        format!("the database lacks {n} almanac migration{plural}; run `almanac migrate`")
-    );
-    almanac::db::migrate(&pool).await.unwrap();
-    assert_eq!(get(&addr, "/readyz").await.unwrap().status, 200);
-    stop.cancel();
-    serving.await.unwrap().unwrap();
-}
-
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn metrics_require_basic_auth_when_configured_but_probes_stay_open(pool: PgPool) {
     let auth = "ops:s3cret".parse().unwrap();

@@ -264,6 +264,23 @@ fn almanac_migrate(pool: &PgPool) -> (bool, String) {
     )
 }
 
+/// An empty database is not ready, with the count of what it lacks, until
+/// the migrations are applied.
+#[sqlx::test(migrations = false)]
+async fn readyz_is_503_naming_missing_migrations_until_they_are_applied(pool: PgPool) {
+    let n = MIGRATOR.iter().count();
+    let plural = if n == 1 { "" } else { "s" };
+    assert_eq!(
+        readyz(&pool).await,
+        (
+            503,
+            format!("the database lacks {n} almanac migration{plural}; run `almanac migrate`")
+        )
+    );
+    db::migrate(&pool).await.unwrap();
+    assert_eq!(readyz(&pool).await, (200, "ready".to_string()));
+}
+
 /// A database a newer release migrated (a version this build does not know
 /// after all of its own) is used as it is by `almanac migrate` and ready at
 /// `/readyz`, so a fleet can upgrade one process at a time; both warn.
