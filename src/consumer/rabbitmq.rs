@@ -68,7 +68,15 @@ pub(super) async fn run(
             })?;
             Ok::<_, SinkError>((conn, channel, deliveries))
         };
-        let (conn, _channel, mut deliveries) = match session.await {
+        // Setting up waits on the broker: bounded, and never past shutdown.
+        let session = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            session = tokio::time::timeout(SETUP_DEADLINE, session) => session
+                .unwrap_or_else(|_| Err(SinkError::Broker(format!(
+                    "RabbitMQ did not set up the consumer of `{queue}` within {SETUP_DEADLINE:?}"
+                )))),
+        };
+        let (conn, _channel, mut deliveries) = match session {
             Ok(session) => session,
             Err(err) => {
                 let told = |pause: Duration| warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
@@ -79,6 +87,7 @@ pub(super) async fn run(
             }
         };
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
+        let started = tokio::time::Instant::now();
         // The pause before reconnecting resets only once a session delivered:
         // a session the broker ends at once (a cancelled consumer, a closed
         // channel) is retried with a growing pause, not in a tight loop.
@@ -89,7 +98,7 @@ pub(super) async fn run(
                     // their jobs end (the executor bounds that by its
                     // shutdown deadline); then it closes.
                     while running.join_next().await.is_some() {}
-                    let _ = conn.close(200, "shutting down").await;
+                    let _ = tokio::time::timeout(SETUP_DEADLINE, conn.close(200, "shutting down")).await;
                     break 'connect;
                 }
                 next = deliveries.next() => next,
@@ -124,7 +133,11 @@ pub(super) async fn run(
                 }
             });
         }
-        let _ = conn.close(200, "reconnecting").await;
+        let _ = tokio::time::timeout(SETUP_DEADLINE, conn.close(200, "reconnecting")).await;
+        if started.elapsed() >= SETUP_DEADLINE {
+            // A session that lasted was healthy, idle or not.
+            retry.succeeded();
+        }
         let told = |pause: Duration| {
             debug!(
                 retry_in_ms = pause.as_millis() as u64,
@@ -141,3 +154,6 @@ pub(super) async fn run(
     info!(%queue, "RabbitMQ consumer stopped");
     Ok(())
 }
+
+/// How long setting up (or closing) a session may wait on the broker.
+const SETUP_DEADLINE: Duration = Duration::from_secs(30);

@@ -11,23 +11,32 @@
 //! [`state`] reads `_sqlx_migrations` and compares it with the migrations
 //! embedded in this binary:
 //! - `Current`: every embedded migration applied. Ready.
-//! - `Ahead`: every embedded migration applied, and newer ones a later
-//!   release applied. Ready, with a warning: a release's migrations keep the
-//!   previous release working (they add, they do not remove or rename), so
-//!   a fleet upgrades one process at a time and can roll back one release.
+//! - `Ahead`: every embedded migration applied, and newer ones (numbered
+//!   above this build's newest) a later release applied. Ready, with a
+//!   warning: a release's migrations keep the previous release working (they
+//!   add, they do not remove or rename), so a fleet upgrades one process at
+//!   a time and can roll back one release. (Builds before this one refused
+//!   a newer migration: this holds from this release on.)
 //! - `Pending`: migrations to apply; `almanac migrate` (or `run`, `work`,
 //!   `consume`) applies them. Not ready.
 //! - `PreBaseline`: set up by the last pre-release build (exactly the
-//!   squashed 0001-0016, kept in `tests/fixtures/pre_baseline`). Its schema
-//!   is the baseline's, so [`adopt`] records the baseline beside the old rows
-//!   in one short transaction (the old rows stay, so a pre-release process
-//!   still running keeps seeing its history), and the later migrations apply
-//!   as usual. Not ready until then.
-//! - `Foreign`: anything else this build cannot stand on: a migration that
-//!   failed half-way, one whose text differs from this build's (an
-//!   unreleased branch), another pre-release history, an almanac schema
-//!   with no record of its migrations. Nothing is applied; the sentence says
-//!   what to do. Not ready.
+//!   squashed 1, 2, 3, 4, 6, 7, 9, 13, 14, 15 and 16, kept in
+//!   `tests/fixtures/pre_baseline`). Its schema is the baseline's, so
+//!   [`adopt`] records the baseline beside the old rows in one short
+//!   transaction, and the later migrations apply as usual. Not ready until
+//!   then. Pre-release processes already running keep working (they count
+//!   only their own migrations), but a pre-release build refuses to start
+//!   on an adopted database (it does not know 100): upgrade every process
+//!   before restarting any. The way back, while nothing after the baseline
+//!   is applied: `DELETE FROM _sqlx_migrations WHERE version = 100` (the
+//!   schema is the same). Once the baseline is recorded, rows below 100 are
+//!   history and no longer judged.
+//! - `Foreign`: anything else this build cannot stand on: a migration
+//!   (run outside a transaction) that stopped part-way, one whose text
+//!   differs from this build's (an unreleased branch), an unknown one below
+//!   this build's newest (another branch), another pre-release history, an
+//!   almanac schema with no record of its migrations, or a record with no
+//!   schema. Nothing is applied; the sentence says what to do. Not ready.
 //!
 //! Every state but `Current` and `Ahead` carries the sentence a person
 //! reads, the same in a refused start and in `/readyz`.
@@ -57,7 +66,11 @@ const PRE_BASELINE: [(i64, &str); 11] = [
 pub const BASELINE: i64 = 100;
 
 const START_OVER: &str = "to start over, use a new database or run \
-`DROP SCHEMA almanac CASCADE; DROP TABLE _sqlx_migrations;` on this one (this deletes every job)";
+`DROP SCHEMA IF EXISTS almanac CASCADE; DROP TABLE IF EXISTS _sqlx_migrations;` on this one \
+(this deletes every job)";
+
+/// The pre-release versions, as a person reads them.
+const PRE_RELEASE: &str = "1, 2, 3, 4, 6, 7, 9, 13, 14, 15, 16";
 
 /// Where a database stands against this binary's migrations.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +81,7 @@ pub enum SchemaState {
     Ahead { versions: Vec<i64> },
     /// These embedded migrations are not applied yet.
     Pending { versions: Vec<i64> },
-    /// Set up by the pre-release migrations 1-16; [`adopt`] records the
+    /// Set up by the last pre-release build; [`adopt`] records the
     /// baseline (and the migrations after it are then pending).
     PreBaseline,
     /// Applied migrations this build cannot stand on; `reason` says which
@@ -168,12 +181,23 @@ fn judge(applied: &[Applied], has_schema: bool) -> SchemaState {
         }
         return SchemaState::Pending { versions: embedded };
     }
+    if !has_schema {
+        return SchemaState::Foreign {
+            reason: "_sqlx_migrations records almanac migrations but the almanac schema is gone \
+                     (dropped, or not restored with it); restore the schema, or, "
+                .to_string()
+                + START_OVER,
+        };
+    }
     if let Some(failed) = applied.iter().find(|a| !a.success) {
+        // sqlx records success in the migration's own transaction, so this
+        // is a migration that ran outside one and stopped part-way.
         return SchemaState::Foreign {
             reason: format!(
-                "almanac migration {} failed half-way on this database; repair it by hand (finish \
-                 or undo what it did, then delete its row from _sqlx_migrations) and start again",
-                failed.version
+                "almanac migration {v} failed half-way on this database; repair it by hand: if \
+                 you finish what it does, mark it done (`UPDATE _sqlx_migrations SET success = true \
+                 WHERE version = {v}`); if you undo it, delete its row, and start again",
+                v = failed.version
             ),
         };
     }
@@ -184,14 +208,21 @@ fn judge(applied: &[Applied], has_schema: bool) -> SchemaState {
             .iter()
             .zip(PRE_BASELINE)
             .all(|(a, (version, sum))| a.version == version && hex(&a.checksum) == sum);
-    if !old.is_empty() && !adoptable {
+    // Once the baseline is recorded, the rows below it are history.
+    let baseline_recorded = new.iter().any(|a| {
+        a.version == BASELINE
+            && MIGRATOR
+                .iter()
+                .any(|m| m.version == BASELINE && *m.checksum == *a.checksum)
+    });
+    if !old.is_empty() && !adoptable && !baseline_recorded {
         let versions: Vec<i64> = old.iter().map(|a| a.version).collect();
         return SchemaState::Foreign {
             reason: format!(
                 "the database was set up by a pre-release almanac build (migrations {}) that \
-                 this build cannot adopt: only the last pre-release schema (exactly 1-16) is \
-                 adopted; if _sqlx_migrations belongs to another application, give almanac its \
-                 own database; else {START_OVER}",
+                 this build cannot adopt: only the last pre-release history (migrations \
+                 {PRE_RELEASE}, each as that build shipped it) is adopted; if _sqlx_migrations \
+                 belongs to another application, give almanac its own database; else {START_OVER}",
                 list(&versions)
             ),
         };
@@ -209,6 +240,7 @@ fn judge(applied: &[Applied], has_schema: bool) -> SchemaState {
 /// Judges the baseline and later migrations applied (`new`) against the
 /// embedded ones.
 fn released(new: &[&Applied], embedded: Vec<i64>) -> SchemaState {
+    let newest = embedded.iter().copied().max().unwrap_or(BASELINE);
     let mut ahead = Vec::new();
     for a in new {
         match MIGRATOR.iter().find(|m| m.version == a.version) {
@@ -230,6 +262,16 @@ fn released(new: &[&Applied], embedded: Vec<i64>) -> SchemaState {
         .into_iter()
         .filter(|v| !new.iter().any(|a| a.version == *v))
         .collect();
+    // Numbers only grow: an unknown migration below this build's newest is
+    // from another branch, not from a newer release.
+    if let Some(stray) = ahead.iter().find(|v| **v < newest) {
+        return SchemaState::Foreign {
+            reason: format!(
+                "the database has almanac migration {stray}, which this build does not know though \
+                 it has newer ones: it was migrated by a build from another branch; use that build"
+            ),
+        };
+    }
     match (pending.is_empty(), ahead.is_empty()) {
         (true, true) => SchemaState::Current,
         (true, false) => SchemaState::Ahead { versions: ahead },
@@ -268,6 +310,10 @@ pub fn migrator() -> Migrator {
 /// starting at the same time waits, then finds it adopted. Does nothing
 /// unless the database is [`SchemaState::PreBaseline`].
 pub async fn adopt(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    // The usual case takes no lock: only a pre-release database is adopted.
+    if state(pool).await? != SchemaState::PreBaseline {
+        return Ok(false);
+    }
     let mut conn = pool.acquire().await?;
     let mut tx = conn
         .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -286,6 +332,7 @@ pub async fn adopt(pool: &PgPool) -> Result<bool, sqlx::Error> {
         .await?;
     let (applied, has_schema) = read(&mut tx).await?;
     if judge(&applied, has_schema) != SchemaState::PreBaseline {
+        tx.rollback().await?;
         return Ok(false);
     }
     let baseline = MIGRATOR
@@ -303,7 +350,7 @@ pub async fn adopt(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .await?;
     tx.commit().await?;
     tracing::info!(
-        "recorded the pre-release schema (migrations 1-16) as the baseline (migration {BASELINE})"
+        "recorded the pre-release schema (migrations {PRE_RELEASE}) as the baseline (migration {BASELINE})"
     );
     Ok(true)
 }
@@ -375,17 +422,44 @@ mod tests {
         assert_eq!(judged(&list), SchemaState::Current);
     }
 
+    fn newest() -> i64 {
+        MIGRATOR.iter().map(|m| m.version).max().unwrap()
+    }
+
     #[test]
     fn a_newer_releases_migration_is_ready_with_a_warning() {
         let mut list = this_build();
-        list.push((BASELINE + 1, b"newer".to_vec()));
+        list.push((newest() + 1, b"newer".to_vec()));
         let state = judged(&list);
         assert_eq!(state.problem(), None);
         let warning = state.warning().unwrap();
         assert!(
-            warning.contains(&format!("migration {}", BASELINE + 1)) && warning.contains("newer"),
+            warning.contains(&format!("migration {}", newest() + 1)) && warning.contains("newer"),
             "{warning}"
         );
+    }
+
+    #[test]
+    fn an_unknown_migration_while_this_builds_own_are_missing_is_another_branch() {
+        let list = [(newest() + 50, b"other".to_vec())];
+        let problem = judged(&list).problem().unwrap();
+        assert!(problem.contains("another branch"), "{problem}");
+    }
+
+    #[test]
+    fn a_record_without_its_schema_is_not_ready() {
+        let problem = judge(&applied(&[(BASELINE, b"")]), false)
+            .problem()
+            .unwrap();
+        assert!(problem.contains("schema is gone"), "{problem}");
+    }
+
+    #[test]
+    fn once_the_baseline_is_recorded_older_rows_are_history() {
+        // Even a pre-release history this build would not adopt.
+        let mut list = pre_release()[..3].to_vec();
+        list.extend(this_build());
+        assert_eq!(judged(&list), SchemaState::Current);
     }
 
     #[test]

@@ -398,8 +398,11 @@ impl Role for Relay {
     async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
-        let mut listener = listen(&self.pool).await;
-        // LISTEN is retried with its own pacing; polling covers for it meanwhile.
+        // LISTEN is set up (and retried, with its own pacing) in a task of
+        // its own, so a database slow to give a connection never holds the
+        // drain; polling covers for it meanwhile.
+        let mut listener: Option<PgListener> = None;
+        let mut connecting = Some(tokio::spawn(listen(self.pool.clone())));
         let mut listen_retry = Retry::reconnect();
         let mut listen_next = Instant::now();
         let mut retry = Retry::new(self.config.retry.base, self.config.retry.max);
@@ -407,12 +410,19 @@ impl Role for Relay {
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
-            if listener.is_none() && Instant::now() >= listen_next {
-                listener = listen(&self.pool).await;
-                match listener {
-                    Some(_) => listen_retry.succeeded(),
+            match connecting.take() {
+                Some(task) if task.is_finished() => match task.await.ok().flatten() {
+                    Some(l) => {
+                        listener = Some(l);
+                        listen_retry.succeeded();
+                    }
                     None => listen_next = Instant::now() + listen_retry.failed(),
+                },
+                Some(task) => connecting = Some(task),
+                None if listener.is_none() && Instant::now() >= listen_next => {
+                    connecting = Some(tokio::spawn(listen(self.pool.clone())));
                 }
+                None => {}
             }
             self.maintain(&mut next_redrive, &mut next_reconcile).await;
             let pause = match self.drain().await {
@@ -427,21 +437,28 @@ impl Role for Relay {
                 }
             };
             let failing = retry.failures() > 0;
+            // `true` when the LISTEN connection broke (sqlx could not
+            // reconnect it): it is set up again, paced, by the branch above.
             let woken = async {
                 match listener.as_mut() {
-                    Some(l) => {
-                        if l.recv().await.is_err() {
-                            sleep(pause).await;
-                        }
-                    }
+                    Some(l) => l.recv().await.is_err(),
                     None => std::future::pending().await,
                 }
             };
+            let mut broke = false;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = sleep(pause) => {}
-                _ = woken, if !failing => {}
+                lost = woken, if !failing => broke = lost,
             }
+            if broke {
+                warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
+                listener = None;
+                listen_next = Instant::now() + listen_retry.failed();
+            }
+        }
+        if let Some(task) = connecting {
+            task.abort();
         }
         // Bounded: a broker that stopped answering cannot hold the shutdown.
         if tokio::time::timeout(Duration::from_secs(10), self.publisher.flush())
@@ -520,7 +537,7 @@ fn record_failed(metrics: &Metrics, sink: SinkKind, row: &FailedRow, job_buried:
 /// A LISTEN connection of its own, or `None` within [`LISTEN_DEADLINE`]
 /// (the relay polls meanwhile and tries again with its own pacing): an
 /// unreachable database cannot hold the relay's loop, nor its shutdown.
-async fn listen(pool: &PgPool) -> Option<PgListener> {
+async fn listen(pool: PgPool) -> Option<PgListener> {
     let own = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(LISTEN_DEADLINE)

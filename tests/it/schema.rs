@@ -190,8 +190,14 @@ async fn a_pre_release_database_is_adopted_with_its_data(pool: PgPool) {
         db::schema::state(&pool).await.unwrap(),
         SchemaState::PreBaseline
     );
+    let (status, body) = readyz(&pool).await;
+    assert_eq!(status, 503);
+    assert!(body.contains("pre-release almanac schema"), "{body}");
 
-    db::migrate(&pool).await.unwrap();
+    // Two processes starting at once: both start, the baseline is recorded once.
+    let (a, b) = tokio::join!(db::migrate(&pool), db::migrate(&pool));
+    a.unwrap();
+    b.unwrap();
     // The baseline is recorded beside the old rows, which stay: a
     // pre-release process still running keeps seeing its whole history.
     let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY 1")
