@@ -348,4 +348,35 @@ mod tests {
         // 02:00 in Seoul is 17:00Z the day before.
         assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
     }
+
+    #[test]
+    fn runs_due_while_disabled_are_skipped_disabled_and_latest_picks_among_the_others() {
+        use Decision::*;
+        let s = schedule("catchup = \"latest\"");
+        let cursor = Cursor {
+            last_planned: Some(at(AFTER)),
+            first_seen: at("2026-01-01T00:00:00Z"),
+        };
+        // Disabled from before the 03-04 run until after the 03-05 run; back
+        // at 16:00Z, before the 03-06 run.
+        let spell = Spell {
+            from: at("2026-03-03T12:00:00Z"),
+            until: Some(at("2026-03-04T18:00:00Z")),
+        };
+        let now = at("2026-03-05T16:00:00Z");
+        let runs = due_runs(&s, &cursor, now, 100);
+        let plan: Vec<_> = classify(&s, runs, now, Duration::from_secs(60), true, &[spell])
+            .into_iter()
+            .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
+            .collect();
+        assert_eq!(
+            plan,
+            vec![
+                ("2026-03-02".into(), "catchup", SkipCatchup),
+                ("2026-03-03".into(), "catchup", Emit), // the latest run due while enabled
+                ("2026-03-04".into(), "catchup", SkipDisabled),
+                ("2026-03-05".into(), "catchup", SkipDisabled),
+            ]
+        );
+    }
 }
