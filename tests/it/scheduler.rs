@@ -900,3 +900,77 @@ start = "{start}"
     assert!(missing_before_sync > 10, "{missing_before_sync}");
     assert!(disabled_seen > 10, "{disabled_seen}");
 }
+
+/// The issue's case through the commands: a schedule whose `start` precedes
+/// its first sync, a backfilled history with a two-day hole. `almanac gaps`
+/// lists the hole and the unrecorded days after the history began, and the
+/// calendar marks exactly those missing. Before any sync, `gaps` says why it
+/// lists nothing.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn gaps_and_the_calendar_agree_on_a_backfilled_history_before_the_first_sync(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let dir = std::env::temp_dir().join(format!("almanac-gaps-history-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let today = db_now(&pool).await.date_naive();
+    let ago = |n: u64| (today - chrono::Days::new(n)).to_string();
+    std::fs::write(
+        dir.join("d.toml"),
+        format!("[daily]\ncron = \"0 3 * * *\"\nstart = \"{}\"\n", ago(20)),
+    )
+    .unwrap();
+    let run = |command: &str, from: u64, to: u64| {
+        let out = harness::almanac()
+            .args([command, "daily", "--from", &ago(from), "--to", &ago(to)])
+            .arg("--schedules")
+            .arg(&dir)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (out, err) = run("gaps", 20, 1);
+    assert_eq!(out, "");
+    assert!(err.contains("never synced"), "{err}");
+
+    run("backfill", 20, 10);
+    let hole = vec![ago(15), ago(14)];
+    sqlx::query(
+        "WITH gone AS (DELETE FROM almanac.schedule_runs WHERE logical_run = ANY($1)) \
+         DELETE FROM almanac.jobs WHERE logical_run = ANY($1)",
+    )
+    .bind(&hole)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (out, err) = run("gaps", 20, 1);
+    let mut want = hole;
+    want.extend((1..=9).rev().map(ago));
+    let listed: Vec<&str> = out.lines().collect();
+    assert_eq!(listed.len(), want.len(), "{out}");
+    for (line, day) in listed.iter().zip(&want) {
+        assert!(line.contains(day.as_str()), "{line} is not {day}");
+    }
+    assert!(err.contains("11 missing runs"), "{err}");
+
+    let mut conn = pool.acquire().await.unwrap();
+    let s = &schedules(&format!(
+        "[daily]\ncron = \"0 3 * * *\"\nstart = \"{}\"\n",
+        ago(20)
+    ))[0];
+    let calendar = history::calendar(&mut conn, s).await.unwrap();
+    let missing: Vec<String> = calendar
+        .cells
+        .iter()
+        .filter(|c| c.state == history::CellState::Missing)
+        .map(|c| c.run.logical_run.clone())
+        .collect();
+    assert_eq!(missing, want);
+}
