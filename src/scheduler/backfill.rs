@@ -224,7 +224,7 @@ impl Expected {
         .fetch_one(&mut *conn)
         .await
         .map_err(LedgerError::from)?;
-        let disabled = ledger::disabled_spells(conn, &[schedule.to_string()], None)
+        let disabled = ledger::disabled_spells(conn, &[schedule.to_string()])
             .await?
             .remove(schedule)
             .unwrap_or_default();

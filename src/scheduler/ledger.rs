@@ -125,22 +125,19 @@ impl Spell {
     }
 }
 
-/// The disabled spells of each named schedule that end after `after` (all of
-/// them with `None`), oldest first.
+/// The disabled spells of each named schedule, oldest first.
 pub async fn disabled_spells(
     conn: &mut PgConnection,
     names: &[String],
-    after: Option<DateTime<Utc>>,
 ) -> Result<HashMap<String, Vec<Spell>>, LedgerError> {
     let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
         r#"
         SELECT schedule, disabled_at, enabled_at FROM almanac.schedule_disabled
-         WHERE schedule = ANY($1) AND ($2::timestamptz IS NULL OR enabled_at IS NULL OR enabled_at > $2)
+         WHERE schedule = ANY($1)
          ORDER BY schedule, disabled_at
         "#,
     )
     .bind(names)
-    .bind(after)
     .fetch_all(conn)
     .await?;
     let mut out: HashMap<String, Vec<Spell>> = HashMap::new();

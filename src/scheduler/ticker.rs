@@ -58,7 +58,7 @@ impl Ticker {
         ledger::sync_at(conn, &schedules, true, at).await?;
         let names: Vec<String> = schedules.iter().map(|s| s.name.clone()).collect();
         let mut cursors = ledger::cursors(conn, &names).await?;
-        let mut spells = ledger::disabled_spells(conn, &names, None).await?;
+        let mut spells = ledger::disabled_spells(conn, &names).await?;
         let entries = schedules
             .into_iter()
             .map(|schedule| {
