@@ -262,6 +262,18 @@ CREATE TABLE almanac.routes (
 
 
 --
+-- Name: schedule_disabled; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.schedule_disabled (
+    schedule text NOT NULL,
+    disabled_at timestamp with time zone NOT NULL,
+    enabled_at timestamp with time zone,
+    CONSTRAINT schedule_disabled_check CHECK (((enabled_at IS NULL) OR (enabled_at >= disabled_at)))
+);
+
+
+--
 -- Name: schedule_runs; Type: TABLE; Schema: almanac; Owner: -
 --
 
@@ -273,7 +285,7 @@ CREATE TABLE almanac.schedule_runs (
     recorded_at timestamp with time zone DEFAULT now() NOT NULL,
     source text NOT NULL,
     outcome text NOT NULL,
-    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text]))),
+    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text, 'skipped_disabled'::text]))),
     CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text])))
 );
 
@@ -341,6 +353,14 @@ ALTER TABLE ONLY almanac.outbox
 
 ALTER TABLE ONLY almanac.routes
     ADD CONSTRAINT routes_pkey PRIMARY KEY (kind);
+
+
+--
+-- Name: schedule_disabled schedule_disabled_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_disabled
+    ADD CONSTRAINT schedule_disabled_pkey PRIMARY KEY (schedule, disabled_at);
 
 
 --
@@ -458,6 +478,13 @@ CREATE INDEX outbox_published_idx ON almanac.outbox USING btree (published_at) W
 
 
 --
+-- Name: schedule_disabled_open_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE UNIQUE INDEX schedule_disabled_open_idx ON almanac.schedule_disabled USING btree (schedule) WHERE (enabled_at IS NULL);
+
+
+--
 -- Name: schedule_runs_fire_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
@@ -498,6 +525,14 @@ CREATE TRIGGER jobs_to_outbox AFTER INSERT OR UPDATE OF status, route ON almanac
 
 ALTER TABLE ONLY almanac.outbox
     ADD CONSTRAINT outbox_job_id_fkey FOREIGN KEY (job_id) REFERENCES almanac.jobs(id) ON DELETE CASCADE;
+
+
+--
+-- Name: schedule_disabled schedule_disabled_schedule_fkey; Type: FK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_disabled
+    ADD CONSTRAINT schedule_disabled_schedule_fkey FOREIGN KEY (schedule) REFERENCES almanac.schedules(name);
 
 
 --

@@ -9,8 +9,8 @@ use super::schedules::{parse_bound, print_run};
 use chrono::{DateTime, Utc};
 
 use super::{Ctx, SchedulesDir};
-use crate::scheduler::backfill;
 use crate::scheduler::spec::Schedule;
+use crate::scheduler::{backfill, history};
 
 /// A schedule and a range of its runs, both ends inclusive.
 #[derive(Debug, clap::Args)]
@@ -120,6 +120,16 @@ pub async fn run_gaps(ctx: &Ctx, args: GapsArgs) -> anyhow::Result<()> {
         print_run(run, schedule.timeline.tz(), args.json);
     }
     if !args.json {
+        if missing.is_empty()
+            && history::synced_one(&mut conn, &schedule.name)
+                .await?
+                .is_none()
+        {
+            eprintln!(
+                "{}: never synced (no scheduler or backfill has run it), so no run is expected yet",
+                schedule.name
+            );
+        }
         eprintln!(
             "{}: {} missing run{}",
             schedule.name,

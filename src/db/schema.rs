@@ -428,13 +428,15 @@ mod tests {
 
     #[test]
     fn a_newer_releases_migration_is_ready_with_a_warning() {
+        // One version past this build's latest.
+        let newer = newest() + 1;
         let mut list = this_build();
-        list.push((newest() + 1, b"newer".to_vec()));
+        list.push((newer, b"newer".to_vec()));
         let state = judged(&list);
         assert_eq!(state.problem(), None);
         let warning = state.warning().unwrap();
         assert!(
-            warning.contains(&format!("migration {}", newest() + 1)) && warning.contains("newer"),
+            warning.contains(&format!("migration {newer}")) && warning.contains("newer"),
             "{warning}"
         );
     }

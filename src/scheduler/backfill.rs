@@ -11,15 +11,38 @@
 //! explicitly. Backfilled rows never move the scheduler's cursor (see
 //! [`super::plan::Cursor`]), so a partial backfill cannot hide the runs
 //! missed around it, and a future run backfilled early is simply found
-//! already emitted when it comes due. `gaps` lists only runs already due.
+//! already emitted when it comes due.
+//!
+//! **Missing** is one rule, [`Expected::unrecorded`], which `gaps` (`almanac
+//! gaps`) and the dashboard's calendar ([`super::history::calendar`]) both
+//! apply, so the calendar's missing cells are exactly what `gaps` reports for
+//! the same range at the same instant. A run with no ledger row is missing
+//! when all of these hold:
+//!
+//! - the schedule's history had begun: the run fell due at or after the
+//!   schedule's first sync, or at or after its earliest ledger row (a
+//!   backfilled history counts from where it begins, so a hole inside it is
+//!   missing even before the first sync); earlier runs are *before history*;
+//! - it did not fall due while the schedule was disabled (the scheduler
+//!   records those `skipped_disabled` when the schedule is enabled again, see
+//!   [`super::plan`]); until then they are *disabled*;
+//! - it is settled: it fell due more than [`DUE_GRACE`] ago; until then it is
+//!   *due* (the leader records it at its next tick).
+//!
+//! Runs before `start` are not runs of the schedule at all. A schedule
+//! never synced and never backfilled has no history, so nothing is missing.
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use super::ledger::{self, LedgerError, Recorded};
+use super::ledger::{self, LedgerError, Recorded, Spell};
 use super::plan::{self, Decision, Planned, Source};
 use super::spec::Schedule;
 use super::timeline::Run;
+
+/// How long after its fire time an unrecorded run is due rather than
+/// missing: a leader's tick comes well within it.
+pub const DUE_GRACE: chrono::Duration = chrono::Duration::seconds(60);
 
 /// Largest range one command handles, in runs.
 pub const MAX_RUNS: usize = 2_000_000;
@@ -160,8 +183,80 @@ pub async fn backfill(
     Ok(report)
 }
 
-/// The runs with `from <= fire_at < to`, already due, that have no ledger
-/// row at all: holes anywhere in the range, not only after the last run.
+/// What became of a run with no ledger row, by the module doc's rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unrecorded {
+    /// Before the schedule's first sync and its earliest ledger row.
+    BeforeHistory,
+    /// Fell due while the schedule was disabled.
+    Disabled,
+    /// Fell due within the last [`DUE_GRACE`].
+    Due,
+    Missing,
+}
+
+/// What the missing rule reads about one schedule at one instant.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    /// The earlier of the first sync and the earliest ledger row.
+    since: Option<DateTime<Utc>>,
+    disabled: Vec<Spell>,
+    now: DateTime<Utc>,
+}
+
+impl Expected {
+    /// Reads the schedule's first sync, earliest ledger row and disabled
+    /// spells, for the rule at database time `now`.
+    pub async fn read(
+        conn: &mut PgConnection,
+        schedule: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Expected, BackfillError> {
+        let since: Option<DateTime<Utc>> = sqlx::query_scalar(
+            r#"
+            SELECT least(
+                (SELECT created_at FROM almanac.schedules WHERE name = $1),
+                (SELECT fire_at FROM almanac.schedule_runs WHERE schedule = $1
+                  ORDER BY fire_at LIMIT 1))
+            "#,
+        )
+        .bind(schedule)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(LedgerError::from)?;
+        let disabled = ledger::disabled_spells(conn, &[schedule.to_string()])
+            .await?
+            .remove(schedule)
+            .unwrap_or_default();
+        Ok(Expected {
+            since,
+            disabled,
+            now,
+        })
+    }
+
+    /// The instant the rule is applied at.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.now
+    }
+
+    /// The one rule: what a run with no ledger row is (see the module doc).
+    pub fn unrecorded(&self, run: &Run) -> Unrecorded {
+        if self.since.is_none_or(|since| run.fire_at < since) {
+            Unrecorded::BeforeHistory
+        } else if self.disabled.iter().any(|s| s.covers(run.fire_at)) {
+            Unrecorded::Disabled
+        } else if self.now - run.fire_at <= DUE_GRACE {
+            Unrecorded::Due
+        } else {
+            Unrecorded::Missing
+        }
+    }
+}
+
+/// The runs with `from <= fire_at < to`, already due, that are missing from
+/// the ledger by the module doc's rule: holes anywhere in the range, not only
+/// after the last run.
 pub async fn gaps(
     conn: &mut PgConnection,
     schedule: &Schedule,
@@ -169,11 +264,28 @@ pub async fn gaps(
     to: DateTime<Utc>,
 ) -> Result<Vec<Run>, BackfillError> {
     let now = db_now(conn).await?;
+    gaps_at(conn, schedule, from, to, now).await
+}
+
+/// [`gaps`] at the instant `now` (the calendar's, or a test's).
+pub async fn gaps_at(
+    conn: &mut PgConnection,
+    schedule: &Schedule,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Result<Vec<Run>, BackfillError> {
     let to = to.min(now + chrono::Duration::microseconds(1));
+    if to <= from {
+        return Ok(Vec::new());
+    }
+    let expected = Expected::read(conn, &schedule.name, now).await?;
     let runs = runs(schedule, from, to)?;
     let recorded = ledger::recorded_between(conn, &schedule.name, from, to).await?;
     Ok(runs
         .into_iter()
-        .filter(|r| !recorded.contains_key(&r.logical_run))
+        .filter(|r| {
+            !recorded.contains_key(&r.logical_run) && expected.unrecorded(r) == Unrecorded::Missing
+        })
         .collect())
 }

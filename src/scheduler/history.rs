@@ -2,18 +2,17 @@
 //! calendar: each run of a window with what became of it. The dashboard
 //! reads these; the scheduler never does.
 //!
-//! A calendar's "missing" cells are exactly what [`super::backfill::gaps`]
-//! (`almanac gaps`) reports for the same range; the calendar calls it. Runs
-//! before the schedule's first sync are not missing (a new schedule catches
-//! up nothing from before it existed); they are shown as "before first sync".
+//! A calendar's cells without a ledger row are classified by the missing
+//! rule of [`super::backfill`] ([`backfill::Expected::unrecorded`]), the one
+//! `almanac gaps` applies.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgConnection;
 
-use super::backfill::{self, BackfillError};
+use super::backfill::{self, BackfillError, Expected, Unrecorded};
 use super::cron::CronExpr;
 use super::ledger::LedgerError;
 use super::plan;
@@ -127,23 +126,23 @@ pub enum CellState {
     },
     /// Emitted; its job was deleted by retention.
     JobDeleted,
-    /// Recorded as skipped: `catchup` or `overlap`.
+    /// Recorded as skipped: `catchup`, `overlap` or `disabled`.
     Skipped {
         reason: String,
     },
-    /// Due, and no ledger row: what `almanac gaps` reports.
+    /// No ledger row, and missing: what `almanac gaps` reports.
     Missing,
-    /// Due before the schedule's first sync, and never recorded.
-    BeforeFirstSync,
-    /// Due within the last [`DUE_GRACE`] and not recorded yet: the leader
-    /// emits it at its next tick. (`almanac gaps` at this instant would list
-    /// it; the calendar waits before calling it missing.)
+    /// No ledger row, before the schedule's history began.
+    BeforeHistory,
+    /// No ledger row yet; fell due while the schedule was disabled (recorded
+    /// `skipped_disabled` when it is enabled again).
+    Disabled,
+    /// No ledger row yet; fell due within the last [`DUE_GRACE`] (the leader
+    /// emits it at its next tick).
     Due,
 }
 
-/// How long after its fire time an unrecorded run is shown as due rather
-/// than missing: a leader's tick comes well within it.
-pub const DUE_GRACE: chrono::Duration = chrono::Duration::seconds(60);
+pub use super::backfill::DUE_GRACE;
 
 #[derive(Debug, Clone)]
 pub struct Cell {
@@ -188,29 +187,26 @@ fn window(schedule: &Schedule, now: DateTime<Utc>) -> Vec<Run> {
     }
 }
 
-/// The calendar of `schedule` (first synced at `first_sync`) up to the
-/// database's time.
+/// The calendar of `schedule` up to the database's time.
 pub async fn calendar(
     conn: &mut PgConnection,
     schedule: &Schedule,
-    first_sync: DateTime<Utc>,
 ) -> Result<Calendar, BackfillError> {
     let now = backfill::db_now(conn).await?;
+    calendar_at(conn, schedule, now).await
+}
+
+/// The calendar of `schedule` up to the instant `now`.
+pub async fn calendar_at(
+    conn: &mut PgConnection,
+    schedule: &Schedule,
+    now: DateTime<Utc>,
+) -> Result<Calendar, BackfillError> {
     let to = now + chrono::Duration::microseconds(1);
-    let settled = to - DUE_GRACE;
     let runs = window(schedule, now);
     let from = runs.first().map_or(now, |r| r.fire_at);
     let recorded = ledger_rows(conn, &schedule.name, from, to).await?;
-    let gaps_from = from.max(first_sync);
-    let missing: HashSet<String> = if gaps_from < to {
-        backfill::gaps(conn, schedule, gaps_from, to)
-            .await?
-            .into_iter()
-            .map(|r| r.logical_run)
-            .collect()
-    } else {
-        HashSet::new()
-    };
+    let expected = Expected::read(conn, &schedule.name, now).await?;
     let ids: Vec<i64> = recorded.values().filter_map(|r| r.job_id).collect();
     let statuses = queue::statuses(&mut *conn, &ids)
         .await
@@ -236,9 +232,12 @@ pub async fn calendar(
                         .unwrap_or(&row.outcome)
                         .to_string(),
                 },
-                None if run.fire_at > settled => CellState::Due,
-                None if missing.contains(&run.logical_run) => CellState::Missing,
-                None => CellState::BeforeFirstSync,
+                None => match expected.unrecorded(&run) {
+                    Unrecorded::BeforeHistory => CellState::BeforeHistory,
+                    Unrecorded::Disabled => CellState::Disabled,
+                    Unrecorded::Due => CellState::Due,
+                    Unrecorded::Missing => CellState::Missing,
+                },
             };
             Cell {
                 source: row.map(|r| r.source.clone()),

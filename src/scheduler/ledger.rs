@@ -24,13 +24,29 @@ pub enum LedgerError {
     Queue(#[from] QueueError),
 }
 
-/// Upserts the definitions in one transaction. With `disable_missing`, the
-/// schedules not in `schedules` (removed from the files) are disabled; their
-/// ledger stays.
+/// Upserts the definitions in one transaction, at the database's time. With
+/// `disable_missing`, the schedules not in `schedules` (removed from the
+/// files) are disabled; their ledger stays.
 pub async fn sync(
     conn: &mut PgConnection,
     schedules: &[Schedule],
     disable_missing: bool,
+) -> Result<(), LedgerError> {
+    sync_at(conn, schedules, disable_missing, None).await
+}
+
+/// [`sync`], with the instant the disabled spells open and close at: `None`
+/// is the database's `now()`; tests on an injected clock pass theirs.
+///
+/// In the same transaction, every disabled schedule without an open spell in
+/// `almanac.schedule_disabled` gets one from `at`, and every enabled
+/// schedule's open spell is closed at `at`: the spells follow the
+/// definitions whichever process syncs them (a leader, a backfill).
+pub async fn sync_at(
+    conn: &mut PgConnection,
+    schedules: &[Schedule],
+    disable_missing: bool,
+    at: Option<DateTime<Utc>>,
 ) -> Result<(), LedgerError> {
     let rows: Vec<serde_json::Value> = schedules
         .iter()
@@ -72,8 +88,63 @@ pub async fn sync(
         .execute(&mut *tx)
         .await?;
     }
+    sqlx::query(
+        r#"
+        WITH opened AS (
+            INSERT INTO almanac.schedule_disabled (schedule, disabled_at)
+            SELECT s.name, coalesce($1, now()) FROM almanac.schedules s
+             WHERE NOT s.enabled
+               AND NOT EXISTS (SELECT 1 FROM almanac.schedule_disabled d
+                                WHERE d.schedule = s.name AND d.enabled_at IS NULL)
+            ON CONFLICT (schedule) WHERE enabled_at IS NULL DO NOTHING
+        )
+        UPDATE almanac.schedule_disabled d
+           SET enabled_at = greatest(d.disabled_at, coalesce($1, now()))
+          FROM almanac.schedules s
+         WHERE s.name = d.schedule AND s.enabled AND d.enabled_at IS NULL
+        "#,
+    )
+    .bind(at)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(())
+}
+
+/// A span during which a schedule was disabled, `[from, until)`; `until` is
+/// `None` while it still is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct Spell {
+    pub from: DateTime<Utc>,
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Spell {
+    pub fn covers(&self, at: DateTime<Utc>) -> bool {
+        self.from <= at && self.until.is_none_or(|u| at < u)
+    }
+}
+
+/// The disabled spells of each named schedule, oldest first.
+pub async fn disabled_spells(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<HashMap<String, Vec<Spell>>, LedgerError> {
+    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
+        r#"
+        SELECT schedule, disabled_at, enabled_at FROM almanac.schedule_disabled
+         WHERE schedule = ANY($1)
+         ORDER BY schedule, disabled_at
+        "#,
+    )
+    .bind(names)
+    .fetch_all(conn)
+    .await?;
+    let mut out: HashMap<String, Vec<Spell>> = HashMap::new();
+    for (name, from, until) in rows {
+        out.entry(name).or_default().push(Spell { from, until });
+    }
+    Ok(out)
 }
 
 /// The planning cursor of each named, synced schedule: the latest run a
@@ -113,7 +184,8 @@ pub async fn cursors(
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Recorded {
     /// Ledger rows written, per schedule and outcome (`emitted`,
-    /// `skipped_catchup`, `skipped_overlap`): what the metrics count.
+    /// `skipped_catchup`, `skipped_overlap`, `skipped_disabled`): what the
+    /// metrics count.
     pub written: Vec<(String, String, u64)>,
     /// New ledger rows with a job.
     pub emitted: u64,
@@ -121,6 +193,7 @@ pub struct Recorded {
     pub emitted_after_skip: u64,
     pub skipped_catchup: u64,
     pub skipped_overlap: u64,
+    pub skipped_disabled: u64,
     /// Runs already in the ledger, left as they were.
     pub existed: u64,
 }
@@ -131,6 +204,7 @@ impl Recorded {
         self.emitted_after_skip += other.emitted_after_skip;
         self.skipped_catchup += other.skipped_catchup;
         self.skipped_overlap += other.skipped_overlap;
+        self.skipped_disabled += other.skipped_disabled;
         self.existed += other.existed;
         self.written.extend(other.written);
     }
@@ -197,6 +271,7 @@ pub async fn record(
     for (schedule, planned) in batch {
         let outcome = match planned.decision {
             Decision::SkipCatchup => "skipped_catchup",
+            Decision::SkipDisabled => "skipped_disabled",
             Decision::Emit if overlap && schedule.overlap == Overlap::Skip => {
                 if busy.insert(schedule.name.as_str()) {
                     "emitted"
@@ -277,6 +352,7 @@ pub async fn record(
             ("emitted", true) => report.emitted_after_skip += count,
             ("emitted", false) => report.emitted += count,
             ("skipped_catchup", _) => report.skipped_catchup += count,
+            ("skipped_disabled", _) => report.skipped_disabled += count,
             _ => report.skipped_overlap += count,
         }
         report.written.push((schedule, outcome, count));

@@ -240,11 +240,12 @@ impl Scheduler {
         for (schedule, outcome, rows) in &r.written {
             self.metrics.record_schedule_runs(schedule, outcome, *rows);
         }
-        if r.emitted + r.skipped_catchup + r.skipped_overlap > 0 {
+        if r.emitted + r.skipped_catchup + r.skipped_overlap + r.skipped_disabled > 0 {
             info!(
                 emitted = r.emitted,
                 skipped_catchup = r.skipped_catchup,
                 skipped_overlap = r.skipped_overlap,
+                skipped_disabled = r.skipped_disabled,
                 existed = r.existed,
                 "scheduler tick"
             );

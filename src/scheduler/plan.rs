@@ -1,10 +1,19 @@
 //! Which runs to record, and how: pure decisions over an injected `now`.
 //!
-//! A run is **on time** while `now - fire_at <= grace`; it is emitted as a
-//! `tick`. A run later than that was **missed** (the scheduler was down,
-//! paused, or not leader) and goes through the schedule's catch-up policy as
-//! `catchup`: `all` emits every missed run inside `catchup_window`; `latest`
-//! emits only the most recent due run; `none` emits none. Missed runs that
+//! **Disabled is not missed.** A run that fell due while its schedule was
+//! disabled (inside one of its disabled spells, [`Spell`], which every sync
+//! of the definitions keeps) is recorded `skipped_disabled` and never
+//! emitted, however late it is planned and whatever the catch-up policy;
+//! `almanac backfill` fills it when wanted. A disabled schedule is not
+//! planned at all: its runs are recorded when it is enabled again (until
+//! then, [`super::backfill::Expected`] does not count them missing).
+//!
+//! Of the other runs, a run is **on time** while `now - fire_at <= grace`;
+//! it is emitted as a `tick`. A run later than that was **missed** (the
+//! scheduler was down, paused, or not leader) and goes through the
+//! schedule's catch-up policy as `catchup`: `all` emits every missed run
+//! inside `catchup_window`; `latest` emits only the most recent due run (of
+//! those that fell due while enabled); `none` emits none. Missed runs that
 //! are not emitted are still recorded, as `skipped_catchup`, so every logical
 //! run is accounted for. Planning starts after the scheduler's own cursor
 //! ([`Cursor`]) and, for a schedule never planned, at its first sync; the
@@ -14,6 +23,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+pub use super::ledger::Spell;
 use super::spec::{Catchup, Schedule};
 use super::timeline::Run;
 
@@ -39,6 +49,8 @@ pub enum Decision {
     /// Emit a job (unless the overlap rule skips it when recorded).
     Emit,
     SkipCatchup,
+    /// Fell due while the schedule was disabled.
+    SkipDisabled,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,28 +145,41 @@ pub fn runs_in(
     out
 }
 
-/// Classifies due runs (from [`due_runs`]) as the module doc says.
-/// `complete` says whether `runs` reaches `now` (it was not cut by a limit),
-/// which `latest` needs to know which run is the most recent.
+/// Classifies due runs (from [`due_runs`]) as the module doc says, with
+/// the schedule's disabled spells (any order). `complete` says whether
+/// `runs` reaches `now` (it was not cut by a limit), which `latest` needs
+/// to know which run is the most recent.
 pub fn classify(
     schedule: &Schedule,
     runs: Vec<Run>,
     now: DateTime<Utc>,
     grace: Duration,
     complete: bool,
+    disabled: &[Spell],
 ) -> Vec<Planned> {
     let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
     let window =
         chrono::Duration::from_std(schedule.catchup_window).unwrap_or(chrono::Duration::MAX);
+    let was_disabled = |run: &Run| disabled.iter().any(|s| s.covers(run.fire_at));
     let latest = if complete {
-        runs.last().map(|r| r.fire_at)
+        runs.iter()
+            .rev()
+            .find(|r| !was_disabled(r))
+            .map(|r| r.fire_at)
     } else {
         None
     };
     runs.into_iter()
         .map(|run| {
             let late = now - run.fire_at;
-            let (source, decision) = if late <= grace {
+            let (source, decision) = if was_disabled(&run) {
+                let source = if late <= grace {
+                    Source::Tick
+                } else {
+                    Source::Catchup
+                };
+                (source, Decision::SkipDisabled)
+            } else if late <= grace {
                 (Source::Tick, Decision::Emit)
             } else if late > window {
                 (Source::Catchup, Decision::SkipCatchup)
@@ -204,7 +229,7 @@ mod tests {
             first_seen: at("2026-11-01T00:00:00Z"),
         };
         let runs = due_runs(&s, &cursor, now, 1000);
-        classify(&s, runs, now, Duration::from_secs(60), true)
+        classify(&s, runs, now, Duration::from_secs(60), true, &[])
             .into_iter()
             .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
             .collect()
@@ -322,5 +347,36 @@ mod tests {
             .collect();
         // 02:00 in Seoul is 17:00Z the day before.
         assert_eq!(names, vec!["2026-03-04", "2026-03-05", "2026-03-06"]);
+    }
+
+    #[test]
+    fn runs_due_while_disabled_are_skipped_disabled_and_latest_picks_among_the_others() {
+        use Decision::*;
+        let s = schedule("catchup = \"latest\"");
+        let cursor = Cursor {
+            last_planned: Some(at(AFTER)),
+            first_seen: at("2026-01-01T00:00:00Z"),
+        };
+        // Disabled from before the 03-04 run until after the 03-05 run; back
+        // at 16:00Z, before the 03-06 run.
+        let spell = Spell {
+            from: at("2026-03-03T12:00:00Z"),
+            until: Some(at("2026-03-04T18:00:00Z")),
+        };
+        let now = at("2026-03-05T16:00:00Z");
+        let runs = due_runs(&s, &cursor, now, 100);
+        let plan: Vec<_> = classify(&s, runs, now, Duration::from_secs(60), true, &[spell])
+            .into_iter()
+            .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
+            .collect();
+        assert_eq!(
+            plan,
+            vec![
+                ("2026-03-02".into(), "catchup", SkipCatchup),
+                ("2026-03-03".into(), "catchup", Emit), // the latest run due while enabled
+                ("2026-03-04".into(), "catchup", SkipDisabled),
+                ("2026-03-05".into(), "catchup", SkipDisabled),
+            ]
+        );
     }
 }

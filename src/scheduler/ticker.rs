@@ -9,7 +9,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use super::ledger::{self, LedgerError, Recorded};
+use super::ledger::{self, LedgerError, Recorded, Spell};
 use super::plan::{self, Planned};
 use super::spec::Schedule;
 use super::timeline::Run;
@@ -20,6 +20,9 @@ pub const CHUNK: usize = 10_000;
 struct Entry {
     schedule: Schedule,
     next: Option<Run>,
+    /// The disabled spells that end after the cursor: the runs inside them
+    /// are recorded `skipped_disabled` (see [`plan`]).
+    disabled: Vec<Spell>,
 }
 
 pub struct Ticker {
@@ -35,15 +38,27 @@ pub struct Step {
 }
 
 impl Ticker {
-    /// Syncs the definitions and reads every cursor.
+    /// Syncs the definitions (at the database's time) and reads every
+    /// cursor and disabled spell.
     pub async fn load(
         conn: &mut PgConnection,
         schedules: Vec<Schedule>,
         grace: Duration,
     ) -> Result<Ticker, LedgerError> {
-        ledger::sync(conn, &schedules, true).await?;
+        Ticker::load_at(conn, schedules, grace, None).await
+    }
+
+    /// [`Ticker::load`], syncing at `at` (an injected clock) when given.
+    pub async fn load_at(
+        conn: &mut PgConnection,
+        schedules: Vec<Schedule>,
+        grace: Duration,
+        at: Option<DateTime<Utc>>,
+    ) -> Result<Ticker, LedgerError> {
+        ledger::sync_at(conn, &schedules, true, at).await?;
         let names: Vec<String> = schedules.iter().map(|s| s.name.clone()).collect();
         let mut cursors = ledger::cursors(conn, &names).await?;
+        let mut spells = ledger::disabled_spells(conn, &names).await?;
         let entries = schedules
             .into_iter()
             .map(|schedule| {
@@ -51,7 +66,18 @@ impl Ticker {
                     .remove(&schedule.name)
                     .expect("synced schedules have a cursor");
                 let next = plan::next_run(&schedule, &cursor);
-                Entry { schedule, next }
+                let from = cursor.from();
+                let disabled = spells
+                    .remove(&schedule.name)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|s| s.until.is_none_or(|u| u > from))
+                    .collect();
+                Entry {
+                    schedule,
+                    next,
+                    disabled,
+                }
             })
             .collect();
         Ok(Ticker { entries, grace })
@@ -114,9 +140,16 @@ impl Ticker {
             more |= !complete;
             advanced.push((i, following));
             batch.extend(
-                plan::classify(&entry.schedule, runs, now, self.grace, complete)
-                    .into_iter()
-                    .map(|p| (i, p)),
+                plan::classify(
+                    &entry.schedule,
+                    runs,
+                    now,
+                    self.grace,
+                    complete,
+                    &entry.disabled,
+                )
+                .into_iter()
+                .map(|p| (i, p)),
             );
         }
         if batch.is_empty() {

@@ -116,7 +116,7 @@ pub(super) async fn detail(
         .await?
         .ok_or_else(|| UiError::NotFound(format!("No schedule named `{name}` has been synced.")))?;
     let schedule = row.schedule().map_err(UiError::BadRequest)?;
-    let calendar = history::calendar(&mut tx, &schedule, row.created_at).await?;
+    let calendar = history::calendar(&mut tx, &schedule).await?;
     let lag = snapshot::schedules(&mut tx)
         .await?
         .into_iter()
@@ -217,7 +217,7 @@ fn label(class: &str) -> &'static str {
         "skipped" => "skipped",
         "missing" => "missing",
         "due" => "due now",
-        _ => "before first sync",
+        _ => "before history",
     }
 }
 
@@ -229,7 +229,12 @@ fn describe(state: &CellState) -> String {
         CellState::JobDeleted => "emitted, job deleted by retention".into(),
         CellState::Skipped { reason } => format!("skipped ({reason})"),
         CellState::Missing => "missing".into(),
-        CellState::BeforeFirstSync => "before the schedule's first sync".into(),
+        CellState::BeforeHistory => {
+            "before the schedule's history (its first sync or earliest ledger row)".into()
+        }
+        CellState::Disabled => {
+            "skipped (disabled; recorded when the schedule is enabled again)".into()
+        }
         CellState::Due => "due now; the scheduler emits it at its next tick".into(),
     }
 }
@@ -240,9 +245,9 @@ fn class(state: &CellState) -> &'static str {
         CellState::Emitted { .. } | CellState::JobDeleted => "emitted",
         CellState::Done { .. } => "done",
         CellState::Failed { .. } => "failed",
-        CellState::Skipped { .. } => "skipped",
+        CellState::Skipped { .. } | CellState::Disabled => "skipped",
         CellState::Missing => "missing",
-        CellState::BeforeFirstSync => "presync",
+        CellState::BeforeHistory => "presync",
         CellState::Due => "due",
     }
 }

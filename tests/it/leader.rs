@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::harness::scheduler_proc::{db_now, dir_with, Proc};
+use crate::harness::scheduler_proc::{db_now, dir_with, runs_after, Proc};
 use crate::harness::{self, count, eventually};
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -284,4 +284,121 @@ async fn a_leader_with_nothing_enabled_sleeps_instead_of_spinning(pool: PgPool) 
     );
     proc.signal(libc::SIGTERM);
     assert_eq!(proc.exit_code().await, Some(0));
+}
+
+/// The real scheduler, reloaded with a schedule disabled and enabled again
+/// (SIGHUP): the runs that fell due in between are recorded
+/// `skipped_disabled` with no job; every other second is emitted once, the
+/// first after the re-enable on time; no second is missing or doubled.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_schedule_disabled_and_reenabled_by_reload_skips_what_fell_due_meanwhile(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let schedule = |enabled: bool| format!("[tick]\ncron = \"* * * * * *\"\nenabled = {enabled}\n");
+    let dir = dir_with("disabled", &[("a.toml", &schedule(true))]);
+    let proc = Proc::start(&url, &dir);
+    let rows = "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'tick'";
+    eventually("runs while enabled", Duration::from_secs(30), || async {
+        count(&pool, rows).await >= 2
+    })
+    .await;
+
+    std::fs::write(dir.join("a.toml"), schedule(false)).unwrap();
+    proc.signal(libc::SIGHUP);
+    let spell =
+        "SELECT disabled_at, enabled_at FROM almanac.schedule_disabled WHERE schedule = 'tick'";
+    let read_spell = || async {
+        sqlx::query_as::<_, (DateTime<Utc>, Option<DateTime<Utc>>)>(spell)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+    };
+    eventually(
+        "the disable to be synced",
+        Duration::from_secs(15),
+        || async { read_spell().await.is_some() },
+    )
+    .await;
+    let (disabled_at, _) = read_spell().await.unwrap();
+    eventually("four seconds disabled", Duration::from_secs(15), || async {
+        db_now(&pool).await > disabled_at + chrono::Duration::seconds(4)
+    })
+    .await;
+
+    std::fs::write(dir.join("a.toml"), schedule(true)).unwrap();
+    proc.signal(libc::SIGHUP);
+    eventually(
+        "the re-enable to be synced",
+        Duration::from_secs(15),
+        || async { read_spell().await.is_some_and(|(_, until)| until.is_some()) },
+    )
+    .await;
+    let enabled_at = read_spell().await.unwrap().1.unwrap();
+    eventually(
+        "runs after the re-enable",
+        Duration::from_secs(15),
+        || async {
+            runs_after(&pool, "tick", enabled_at + chrono::Duration::seconds(2)).await >= 1
+        },
+    )
+    .await;
+    proc.signal(libc::SIGTERM);
+    assert_eq!(proc.exit_code().await, Some(0));
+
+    let (in_spell, skipped, with_job, seconds): (i64, i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT count(*), count(*) FILTER (WHERE outcome = 'skipped_disabled'),
+               count(job_id),
+               (SELECT count(*) FROM generate_series(date_trunc('second', $1), $2, '1 second') t
+                 WHERE t >= $1 AND t < $2)
+          FROM almanac.schedule_runs
+         WHERE schedule = 'tick' AND fire_at >= $1 AND fire_at < $2
+        "#,
+    )
+    .bind(disabled_at)
+    .bind(enabled_at)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(seconds >= 4, "{seconds}");
+    assert_eq!((in_spell, skipped, with_job), (seconds, seconds, 0));
+    // Every second from the first run to the last is in the ledger once;
+    // outside the spell, emitted with one job, none early.
+    let (rows, span, distinct_jobs, bad): (i64, i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT count(*),
+               extract(epoch FROM max(fire_at) - min(fire_at))::bigint + 1,
+               (SELECT count(DISTINCT logical_run) FROM almanac.jobs WHERE schedule = 'tick'),
+               count(*) FILTER (WHERE (fire_at < $1 OR fire_at >= $2)
+                                  AND (outcome <> 'emitted' OR job_id IS NULL OR recorded_at < fire_at))
+          FROM almanac.schedule_runs WHERE schedule = 'tick'
+        "#,
+    )
+    .bind(disabled_at)
+    .bind(enabled_at)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let first_after: String = sqlx::query_scalar(
+        "SELECT source FROM almanac.schedule_runs WHERE schedule = 'tick' AND fire_at >= $1 ORDER BY fire_at LIMIT 1",
+    )
+    .bind(enabled_at)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        first_after, "tick",
+        "the first run after the re-enable is on time"
+    );
+    assert_eq!(rows, span, "every second once");
+    assert_eq!(bad, 0, "runs outside the spell not emitted, or early");
+    assert_eq!(distinct_jobs, rows - seconds);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE schedule = 'tick'"
+        )
+        .await,
+        rows - seconds,
+        "one job per emitted run"
+    );
 }

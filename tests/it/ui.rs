@@ -1047,9 +1047,7 @@ async fn a_run_due_this_minute_is_due_not_missing(pool: PgPool) {
     .await;
     let mut conn = pool.acquire().await.unwrap();
     let (schedule, created_at) = synced_schedule(&mut conn, "minutely").await;
-    let calendar = history::calendar(&mut conn, &schedule, created_at)
-        .await
-        .unwrap();
+    let calendar = history::calendar(&mut conn, &schedule).await.unwrap();
     let last = calendar.cells.last().unwrap();
     assert_eq!(last.state, history::CellState::Due, "{:?}", last.run);
     let missing: Vec<String> = calendar
