@@ -224,7 +224,7 @@ impl<S> Deref for Valid<S> {
 }
 
 impl<S: Settings + Default> Default for Valid<S> {
-    /// The defaults, which keep every rule (a unit test per role checks).
+    /// The defaults, which keep every rule (`cli::settings` tests each role's).
     fn default() -> Self {
         S::default()
             .validated()

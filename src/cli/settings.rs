@@ -313,6 +313,26 @@ mod tests {
         ]
     }
 
+    /// Every role's defaults keep its rules (`Valid::default` relies on it).
+    #[test]
+    fn every_roles_defaults_are_valid() {
+        use crate::maintenance::{JanitorConfig, ReaperConfig};
+        use crate::relay::RelayConfig;
+        use crate::role::Settings as _;
+        use crate::scheduler::SchedulerConfig;
+        use crate::stats::CollectorConfig;
+        use crate::worker::WorkerConfig;
+
+        ReaperConfig::default().check().unwrap();
+        JanitorConfig::default().check().unwrap();
+        CollectorConfig::default().check().unwrap();
+        RelayConfig::default().check().unwrap();
+        SchedulerConfig::default().check().unwrap();
+        WorkerConfig::default().check().unwrap();
+        WorkerConfig::for_commands().check().unwrap();
+        crate::broker::SinkConfig::default().check().unwrap();
+    }
+
     /// The `[default: ...]` a flag's help states is the value the code
     /// uses when neither the flag, its variable nor the file sets it.
     #[test]
