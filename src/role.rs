@@ -1,12 +1,14 @@
 //! The one contract every background role keeps.
 //!
 //! A role (scheduler, reaper, janitor, metrics collector, relay, worker,
-//! consumer, the HTTP server) is a value built from a [`Valid`] config, so
-//! an invalid setting is refused where it is written and never reaches a
-//! timer (`tokio::time::interval` panics on a zero period). It implements
+//! consumer) is a value built from a [`Valid`] config, so an invalid
+//! setting is refused where it is written and never reaches a timer
+//! (`tokio::time::interval` panics on a zero period). It implements
 //! [`Role`]: a typed [`RoleName`] and `run(self, shutdown)`, which returns
-//! once `shutdown` is cancelled, after stopping in the role's own order.
-//! The [`crate::supervisor`] runs roles and names the one that fails.
+//! once `shutdown` is cancelled, after stopping in the role's own order. It
+//! counts into the [`crate::metrics::Metrics`] it is handed (`with_metrics`).
+//! The [`crate::supervisor`] runs roles (and the HTTP server, under
+//! [`RoleName::Http`]) and names the one that fails.
 //!
 //! A role whose work is a sweep repeated on an interval (reaper, janitor,
 //! collector) implements [`Periodic`] instead: `run_once` does one sweep and
