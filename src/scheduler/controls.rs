@@ -98,7 +98,7 @@ pub async fn pause(
             note: note.into(),
         }));
     }
-    let open = paused(conn, &[schedule.name.clone()]).await?;
+    let open = paused(conn, std::slice::from_ref(&schedule.name)).await?;
     match open.into_iter().next() {
         Some(p) => Ok(Paused::Already(p)),
         // Resumed in between: pause again.
