@@ -2,11 +2,9 @@
 //! database (the schedule files stay the source of the definitions).
 //!
 //! **Pause** opens a spell in `almanac.schedule_pauses` (when, who, why);
-//! **resume** closes it. The leader reads the spells at every tick in which a
-//! run is due ([`super::ticker`]), so a pause takes effect at the next due run
-//! without a reload, and a new leader after a failover reads the same rows.
-//! What a pause does to the runs is [`super::plan`]'s rule: runs falling due
-//! inside a spell are recorded `skipped_paused`, never caught up.
+//! **resume** closes it. Being rows, they need no reload and outlive a
+//! leader; when the leader reads them is [`super::ticker`]'s, what they do
+//! to the runs is [`super::plan`]'s rule.
 //!
 //! **Trigger** records one run of a schedule with source `trigger` through
 //! [`ledger::record`], so it is never doubled: by another trigger (at once or
