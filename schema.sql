@@ -274,6 +274,21 @@ CREATE TABLE almanac.schedule_disabled (
 
 
 --
+-- Name: schedule_pauses; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.schedule_pauses (
+    schedule text NOT NULL,
+    paused_at timestamp with time zone NOT NULL,
+    resumed_at timestamp with time zone,
+    note text DEFAULT ''::text NOT NULL,
+    paused_by text NOT NULL,
+    resumed_by text,
+    CONSTRAINT schedule_pauses_check CHECK (((resumed_at IS NULL) OR (resumed_at >= paused_at)))
+);
+
+
+--
 -- Name: schedule_runs; Type: TABLE; Schema: almanac; Owner: -
 --
 
@@ -285,8 +300,8 @@ CREATE TABLE almanac.schedule_runs (
     recorded_at timestamp with time zone DEFAULT now() NOT NULL,
     source text NOT NULL,
     outcome text NOT NULL,
-    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text, 'skipped_disabled'::text]))),
-    CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text])))
+    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text, 'skipped_disabled'::text, 'skipped_paused'::text]))),
+    CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text, 'trigger'::text])))
 );
 
 
@@ -361,6 +376,14 @@ ALTER TABLE ONLY almanac.routes
 
 ALTER TABLE ONLY almanac.schedule_disabled
     ADD CONSTRAINT schedule_disabled_pkey PRIMARY KEY (schedule, disabled_at);
+
+
+--
+-- Name: schedule_pauses schedule_pauses_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_pauses
+    ADD CONSTRAINT schedule_pauses_pkey PRIMARY KEY (schedule, paused_at);
 
 
 --
@@ -485,6 +508,13 @@ CREATE UNIQUE INDEX schedule_disabled_open_idx ON almanac.schedule_disabled USIN
 
 
 --
+-- Name: schedule_pauses_open_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE UNIQUE INDEX schedule_pauses_open_idx ON almanac.schedule_pauses USING btree (schedule) WHERE (resumed_at IS NULL);
+
+
+--
 -- Name: schedule_runs_fire_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
@@ -502,7 +532,7 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 -- Name: schedule_runs_planned_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
-CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
+CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source = ANY (ARRAY['tick'::text, 'catchup'::text]));
 
 
 --
@@ -533,6 +563,14 @@ ALTER TABLE ONLY almanac.outbox
 
 ALTER TABLE ONLY almanac.schedule_disabled
     ADD CONSTRAINT schedule_disabled_schedule_fkey FOREIGN KEY (schedule) REFERENCES almanac.schedules(name);
+
+
+--
+-- Name: schedule_pauses schedule_pauses_schedule_fkey; Type: FK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.schedule_pauses
+    ADD CONSTRAINT schedule_pauses_schedule_fkey FOREIGN KEY (schedule) REFERENCES almanac.schedules(name);
 
 
 --

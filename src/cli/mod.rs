@@ -109,7 +109,7 @@ impl SchedulesDir {
         let names: Vec<String> = all.iter().map(|s| s.name.clone()).collect();
         all.into_iter().find(|s| s.name == name).ok_or_else(|| {
             anyhow::anyhow!(
-                "no schedule named `{name}` in {}; known: {}",
+                "no schedule named `{name}` in {}; known: {} (see `almanac schedules list`)",
                 dir.display(),
                 if names.is_empty() {
                     "none".to_string()

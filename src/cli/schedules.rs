@@ -1,4 +1,8 @@
-//! `almanac schedules check|list|preview`
+//! `almanac schedules check|list|preview|pause|resume|trigger`
+//!
+//! `trigger` of a run that already has a job prints which run it is and
+//! that it exists, emits nothing, and exits 0: the run is there, which is
+//! what was asked. The rules are [`crate::scheduler::controls`]'.
 
 use anyhow::{bail, Context as _};
 use chrono::{DateTime, Days, NaiveDate, Utc};
@@ -6,6 +10,7 @@ use chrono_tz::Tz;
 use clap::Subcommand;
 
 use super::{Ctx, SchedulesDir};
+use crate::scheduler::controls::{self, Paused, Triggered};
 use crate::scheduler::cron::CronExpr;
 use crate::scheduler::ledger;
 use crate::scheduler::timeline::{Run, Timeline};
@@ -31,6 +36,31 @@ enum SchedulesCommand {
         schedules: SchedulesDir,
         #[arg(long)]
         json: bool,
+    },
+    /// Pause a schedule: its runs are recorded skipped (paused) until resumed.
+    Pause {
+        name: String,
+        /// Why, shown in `schedules list` and on the dashboard.
+        #[arg(long, default_value = "")]
+        note: String,
+        #[command(flatten)]
+        schedules: SchedulesDir,
+    },
+    /// Resume a paused schedule: its next run is emitted on time.
+    Resume {
+        name: String,
+        #[command(flatten)]
+        schedules: SchedulesDir,
+    },
+    /// Emit one run now, through the ledger (never twice): the named logical
+    /// run, or the most recent due one.
+    Trigger {
+        name: String,
+        /// A logical run of the schedule, e.g. 2026-03-08 for a daily one.
+        #[arg(long)]
+        logical_run: Option<String>,
+        #[command(flatten)]
+        schedules: SchedulesDir,
     },
     /// The runs in [FROM, TO) of a schedule or of an expression.
     Preview {
@@ -105,8 +135,77 @@ pub fn print_run(run: &Run, tz: Tz, json: bool) {
     }
 }
 
+/// Who runs this command: `$USER`, or `unknown`.
+fn operator() -> String {
+    std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn utc(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+fn describe(p: &controls::Pause) -> String {
+    let note = if p.note.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", p.note)
+    };
+    format!("paused since {} by {}{note}", utc(p.since), p.by)
+}
+
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     match args.command {
+        SchedulesCommand::Pause {
+            name,
+            note,
+            schedules,
+        } => {
+            let schedule = schedules.find(ctx, &name)?;
+            let pool = ctx.migrated_pool(1).await?;
+            let mut conn = pool.acquire().await?;
+            match controls::pause(&mut conn, &schedule, &note, &operator(), None).await? {
+                Paused::Now(p) => println!("{name}: {}", describe(&p)),
+                Paused::Already(p) => println!("{name}: already {}; nothing changed", describe(&p)),
+            }
+            Ok(())
+        }
+        SchedulesCommand::Resume { name, schedules } => {
+            schedules.find(ctx, &name)?;
+            let pool = ctx.migrated_pool(1).await?;
+            let mut conn = pool.acquire().await?;
+            match controls::resume(&mut conn, &name, &operator(), None).await? {
+                Some(p) => println!("{name}: resumed (was {})", describe(&p)),
+                None => println!("{name}: not paused; nothing changed"),
+            }
+            Ok(())
+        }
+        SchedulesCommand::Trigger {
+            name,
+            logical_run,
+            schedules,
+        } => {
+            let schedule = schedules.find(ctx, &name)?;
+            let pool = ctx.migrated_pool(1).await?;
+            let mut conn = pool.acquire().await?;
+            match controls::trigger(&mut conn, &schedule, logical_run.as_deref()).await? {
+                Triggered::Emitted { run, job_id } => {
+                    println!("{name}: emitted logical run {} as job {job_id}", run.logical_run)
+                }
+                Triggered::Existed {
+                    run,
+                    source,
+                    job_id,
+                } => println!(
+                    "{name}: logical run {} already exists (recorded by {source}{}); nothing emitted",
+                    run.logical_run,
+                    job_id.map(|j| format!(", job {j}")).unwrap_or_default()
+                ),
+            }
+            Ok(())
+        }
         SchedulesCommand::Check { path, schedules } => {
             let dir = path.unwrap_or_else(|| schedules.resolve(ctx));
             let all = crate::scheduler::spec::load_dir(&dir)?;
@@ -160,14 +259,21 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             let emitted = ledger::last_emitted(&mut conn)
                 .await
                 .context("reading the ledger")?;
+            let paused: std::collections::HashMap<String, controls::Pause> =
+                controls::paused(&mut conn, &names)
+                    .await
+                    .context("reading the pauses")?
+                    .into_iter()
+                    .map(|p| (p.schedule.clone(), p))
+                    .collect();
             // The database's clock, as the scheduler uses.
             let now = crate::scheduler::backfill::db_now(&mut conn)
                 .await
                 .context("reading the database's time")?;
             if !json {
                 println!(
-                    "{:<24} {:<16} {:<20} {:<22} {:<22} LAG",
-                    "NAME", "CRON", "ZONE", "NEXT FIRE (UTC)", "LAST EMITTED"
+                    "{:<24} {:<16} {:<20} {:<22} {:<22} {:<16} PAUSED",
+                    "NAME", "CRON", "ZONE", "NEXT FIRE (UTC)", "LAST EMITTED", "LAG"
                 );
             }
             for s in &all {
@@ -180,6 +286,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                     .next_after(now)
                     .map(|r| r.fire_at.format("%Y-%m-%dT%H:%M:%SZ").to_string());
                 let last = emitted.get(&s.name).map(|(run, _)| run.clone());
+                let pause = paused.get(&s.name);
                 if json {
                     println!(
                         "{}",
@@ -187,11 +294,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                             "name": s.name, "cron": s.timeline.cron().source(), "timezone": s.timeline.tz().name(),
                             "enabled": s.enabled, "next_fire_at": next, "last_emitted": last, "lag_seconds": lag.unwrap_or(0),
                             "synced": cursor.is_some(),
+                            "paused": pause.map(|p| serde_json::json!({
+                                "since": utc(p.since), "by": p.by, "note": p.note,
+                            })),
                         })
                     );
                 } else {
                     println!(
-                        "{:<24} {:<16} {:<20} {:<22} {:<22} {}",
+                        "{:<24} {:<16} {:<20} {:<22} {:<22} {:<16} {}",
                         s.name,
                         s.timeline.cron().source(),
                         s.timeline.tz().name(),
@@ -205,7 +315,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                             (None, _) => "not synced yet".to_string(),
                             (_, Some(l)) => format!("{} behind", crate::config::coarse_age(l)),
                             (_, None) => "0s".to_string(),
-                        }
+                        },
+                        pause.map_or("-".to_string(), describe)
                     );
                 }
             }

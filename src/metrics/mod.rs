@@ -327,7 +327,7 @@ impl Metrics {
     }
 
     /// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,
-    /// skipped_overlap, skipped_disabled).
+    /// skipped_overlap, skipped_disabled, skipped_paused).
     pub fn record_schedule_runs(&self, schedule: &str, outcome: &str, rows: u64) {
         self.schedule_runs
             .get_or_create(&ScheduleOutcomeLabel {

@@ -23,9 +23,10 @@
 //!   schedule's first sync, or at or after its earliest ledger row (a
 //!   backfilled history counts from where it begins, so a hole inside it is
 //!   missing even before the first sync); earlier runs are *before history*;
-//! - it did not fall due while the schedule was disabled (the scheduler
-//!   records those `skipped_disabled` when the schedule is enabled again, see
-//!   [`super::plan`]); until then they are *disabled*;
+//! - it did not fall due while the schedule was disabled or paused (the
+//!   scheduler records those `skipped_disabled` when the schedule is enabled
+//!   again, and `skipped_paused` at its next tick, see [`super::plan`]);
+//!   until then they are *disabled*;
 //! - it is settled: it fell due more than [`DUE_GRACE`] ago; until then it is
 //!   *due* (the leader records it at its next tick).
 //!
@@ -188,7 +189,7 @@ pub async fn backfill(
 pub enum Unrecorded {
     /// Before the schedule's first sync and its earliest ledger row.
     BeforeHistory,
-    /// Fell due while the schedule was disabled.
+    /// Fell due while the schedule was disabled or paused.
     Disabled,
     /// Fell due within the last [`DUE_GRACE`].
     Due,
@@ -224,10 +225,17 @@ impl Expected {
         .fetch_one(&mut *conn)
         .await
         .map_err(LedgerError::from)?;
-        let disabled = ledger::disabled_spells(conn, &[schedule.to_string()])
+        let name = [schedule.to_string()];
+        let mut disabled = ledger::disabled_spells(conn, &name)
             .await?
             .remove(schedule)
             .unwrap_or_default();
+        disabled.extend(
+            super::controls::pause_spells(conn, &name, None)
+                .await?
+                .remove(schedule)
+                .unwrap_or_default(),
+        );
         Ok(Expected {
             since,
             disabled,

@@ -158,7 +158,7 @@ pub async fn cursors(
         r#"
         SELECT s.name, s.created_at,
                (SELECT r.fire_at FROM almanac.schedule_runs r
-                WHERE r.schedule = s.name AND r.source <> 'backfill'
+                WHERE r.schedule = s.name AND r.source IN ('tick', 'catchup')
                 ORDER BY r.fire_at DESC LIMIT 1)
         FROM almanac.schedules s WHERE s.name = ANY($1)
         "#,
@@ -184,7 +184,8 @@ pub async fn cursors(
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Recorded {
     /// Ledger rows written, per schedule and outcome (`emitted`,
-    /// `skipped_catchup`, `skipped_overlap`, `skipped_disabled`): what the
+    /// `skipped_catchup`, `skipped_overlap`, `skipped_disabled`,
+    /// `skipped_paused`): what the
     /// metrics count.
     pub written: Vec<(String, String, u64)>,
     /// New ledger rows with a job.
@@ -194,6 +195,7 @@ pub struct Recorded {
     pub skipped_catchup: u64,
     pub skipped_overlap: u64,
     pub skipped_disabled: u64,
+    pub skipped_paused: u64,
     /// Runs already in the ledger, left as they were.
     pub existed: u64,
 }
@@ -205,6 +207,7 @@ impl Recorded {
         self.skipped_catchup += other.skipped_catchup;
         self.skipped_overlap += other.skipped_overlap;
         self.skipped_disabled += other.skipped_disabled;
+        self.skipped_paused += other.skipped_paused;
         self.existed += other.existed;
         self.written.extend(other.written);
     }
@@ -215,7 +218,8 @@ impl Recorded {
 /// With `overlap` true, a `skip` schedule whose previous job is unfinished
 /// records its run as `skipped_overlap` (and so does every run after the first
 /// in the same batch). With `emit_skipped` true (backfill), runs recorded
-/// earlier as skipped get their job now.
+/// earlier as skipped get their job now. A `trigger` run's job is due at
+/// once (its fire time, or now if that is later).
 ///
 /// The whole batch is one statement, set-based: the ledger rows are inserted
 /// from `unnest(...)` (a run already there is left alone), each new emitted
@@ -272,6 +276,7 @@ pub async fn record(
         let outcome = match planned.decision {
             Decision::SkipCatchup => "skipped_catchup",
             Decision::SkipDisabled => "skipped_disabled",
+            Decision::SkipPaused => "skipped_paused",
             Decision::Emit if overlap && schedule.overlap == Overlap::Skip => {
                 if busy.insert(schedule.name.as_str()) {
                     "emitted"
@@ -318,7 +323,9 @@ pub async fn record(
             INSERT INTO almanac.jobs
                 (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
             OVERRIDING SYSTEM VALUE
-            SELECT r.job_id, p.kind, p.payload, p.fire_at, p.max_attempts, p.key, r.schedule, r.logical_run
+            SELECT r.job_id, p.kind, p.payload,
+                   CASE WHEN p.source = 'trigger' THEN least(p.fire_at, now()) ELSE p.fire_at END,
+                   p.max_attempts, p.key, r.schedule, r.logical_run
             FROM recorded r JOIN planned p USING (schedule, logical_run)
             WHERE r.job_id IS NOT NULL
             ON CONFLICT (idempotency_key) DO NOTHING
@@ -353,6 +360,7 @@ pub async fn record(
             ("emitted", false) => report.emitted += count,
             ("skipped_catchup", _) => report.skipped_catchup += count,
             ("skipped_disabled", _) => report.skipped_disabled += count,
+            ("skipped_paused", _) => report.skipped_paused += count,
             _ => report.skipped_overlap += count,
         }
         report.written.push((schedule, outcome, count));

@@ -13,7 +13,8 @@
 //! - [`leader`] is the advisory-lock leadership and its lock session, which
 //!   the server ends when the leader goes silent (the takeover time and what
 //!   bounds it are stated there); [`ticker`] is the leader's in-memory tick;
-//!   [`backfill`] is the operator's backfill and gaps.
+//!   [`backfill`] is the operator's backfill and gaps; [`controls`] is the
+//!   operator's pause, resume and trigger.
 //!
 //! [`Scheduler::run`] ties them together: stand by until the lock is won;
 //! then sync the definitions, catch up, and sleep until the next fire time
@@ -31,6 +32,7 @@
 //! changes nothing. (`clock_offset` shifts that host clock, for tests.)
 
 pub mod backfill;
+pub mod controls;
 pub mod cron;
 pub mod history;
 pub mod leader;
@@ -240,12 +242,15 @@ impl Scheduler {
         for (schedule, outcome, rows) in &r.written {
             self.metrics.record_schedule_runs(schedule, outcome, *rows);
         }
-        if r.emitted + r.skipped_catchup + r.skipped_overlap + r.skipped_disabled > 0 {
+        if r.emitted + r.skipped_catchup + r.skipped_overlap + r.skipped_disabled + r.skipped_paused
+            > 0
+        {
             info!(
                 emitted = r.emitted,
                 skipped_catchup = r.skipped_catchup,
                 skipped_overlap = r.skipped_overlap,
                 skipped_disabled = r.skipped_disabled,
+                skipped_paused = r.skipped_paused,
                 existed = r.existed,
                 "scheduler tick"
             );

@@ -8,6 +8,12 @@
 //! planned at all: its runs are recorded when it is enabled again (until
 //! then, [`super::backfill::Expected`] does not count them missing).
 //!
+//! **Paused is not missed either.** A run that fell due while its schedule
+//! was paused (`almanac schedules pause`, a [`Spell`] of its own kind, see
+//! [`super::controls`]) is recorded `skipped_paused` and never emitted, in
+//! the same way; a paused schedule is still planned, so its runs are
+//! recorded as they fall due and the run after a resume is on time.
+//!
 //! Of the other runs, a run is **on time** while `now - fire_at <= grace`;
 //! it is emitted as a `tick`. A run later than that was **missed** (the
 //! scheduler was down, paused, or not leader) and goes through the
@@ -32,6 +38,8 @@ pub enum Source {
     Tick,
     Catchup,
     Backfill,
+    /// `almanac schedules trigger`: one run, now.
+    Trigger,
 }
 
 impl Source {
@@ -40,6 +48,7 @@ impl Source {
             Source::Tick => "tick",
             Source::Catchup => "catchup",
             Source::Backfill => "backfill",
+            Source::Trigger => "trigger",
         }
     }
 }
@@ -51,6 +60,8 @@ pub enum Decision {
     SkipCatchup,
     /// Fell due while the schedule was disabled.
     SkipDisabled,
+    /// Fell due while the schedule was paused.
+    SkipPaused,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,7 +157,7 @@ pub fn runs_in(
 }
 
 /// Classifies due runs (from [`due_runs`]) as the module doc says, with
-/// the schedule's disabled spells (any order). `complete` says whether
+/// the schedule's disabled and paused spells (any order). `complete` says whether
 /// `runs` reaches `now` (it was not cut by a limit), which `latest` needs
 /// to know which run is the most recent.
 pub fn classify(
@@ -156,15 +167,17 @@ pub fn classify(
     grace: Duration,
     complete: bool,
     disabled: &[Spell],
+    paused: &[Spell],
 ) -> Vec<Planned> {
     let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
     let window =
         chrono::Duration::from_std(schedule.catchup_window).unwrap_or(chrono::Duration::MAX);
     let was_disabled = |run: &Run| disabled.iter().any(|s| s.covers(run.fire_at));
+    let was_paused = |run: &Run| paused.iter().any(|s| s.covers(run.fire_at));
     let latest = if complete {
         runs.iter()
             .rev()
-            .find(|r| !was_disabled(r))
+            .find(|r| !was_disabled(r) && !was_paused(r))
             .map(|r| r.fire_at)
     } else {
         None
@@ -172,13 +185,15 @@ pub fn classify(
     runs.into_iter()
         .map(|run| {
             let late = now - run.fire_at;
+            let on_time = if late <= grace {
+                Source::Tick
+            } else {
+                Source::Catchup
+            };
             let (source, decision) = if was_disabled(&run) {
-                let source = if late <= grace {
-                    Source::Tick
-                } else {
-                    Source::Catchup
-                };
-                (source, Decision::SkipDisabled)
+                (on_time, Decision::SkipDisabled)
+            } else if was_paused(&run) {
+                (on_time, Decision::SkipPaused)
             } else if late <= grace {
                 (Source::Tick, Decision::Emit)
             } else if late > window {
@@ -229,7 +244,7 @@ mod tests {
             first_seen: at("2026-11-01T00:00:00Z"),
         };
         let runs = due_runs(&s, &cursor, now, 1000);
-        classify(&s, runs, now, Duration::from_secs(60), true, &[])
+        classify(&s, runs, now, Duration::from_secs(60), true, &[], &[])
             .into_iter()
             .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
             .collect()
@@ -365,7 +380,7 @@ mod tests {
         };
         let now = at("2026-03-05T16:00:00Z");
         let runs = due_runs(&s, &cursor, now, 100);
-        let plan: Vec<_> = classify(&s, runs, now, Duration::from_secs(60), true, &[spell])
+        let plan: Vec<_> = classify(&s, runs, now, Duration::from_secs(60), true, &[spell], &[])
             .into_iter()
             .map(|p| (p.run.logical_run, p.source.as_str(), p.decision))
             .collect();

@@ -2,13 +2,16 @@
 //! due runs planned and recorded. Each schedule's next run is computed once
 //! from the scheduler's cursor when leadership starts and then carried
 //! forward in memory, so a tick in which nothing is due touches no table,
-//! and a due run costs one next-fire computation, not a rescan.
+//! and a due run costs one next-fire computation, not a rescan. A tick in
+//! which a run is due reads the pause spells first (one statement), so a
+//! pause or resume is in effect at the next due run on any leader.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
+use super::controls;
 use super::ledger::{self, LedgerError, Recorded, Spell};
 use super::plan::{self, Planned};
 use super::spec::Schedule;
@@ -27,6 +30,7 @@ struct Entry {
 
 pub struct Ticker {
     entries: Vec<Entry>,
+    names: Vec<String>,
     grace: Duration,
 }
 
@@ -80,7 +84,11 @@ impl Ticker {
                 }
             })
             .collect();
-        Ok(Ticker { entries, grace })
+        Ok(Ticker {
+            entries,
+            names,
+            grace,
+        })
     }
 
     /// The earliest next fire time of any enabled schedule; `None` when no
@@ -123,6 +131,17 @@ impl Ticker {
         let mut batch: Vec<(usize, Planned)> = Vec::new();
         let mut advanced: Vec<(usize, Option<Run>)> = Vec::new();
         let mut more = false;
+        let Some(earliest) = self
+            .entries
+            .iter()
+            .filter(|e| e.schedule.enabled)
+            .filter_map(|e| e.next.as_ref().map(|n| n.fire_at))
+            .filter(|at| *at <= now)
+            .min()
+        else {
+            return Ok(Step::default());
+        };
+        let paused = controls::pause_spells(conn, &self.names, Some(earliest)).await?;
         for (i, entry) in self.entries.iter().enumerate() {
             let Some(next) = entry.next.as_ref().filter(|n| n.fire_at <= now) else {
                 continue;
@@ -147,6 +166,7 @@ impl Ticker {
                     self.grace,
                     complete,
                     &entry.disabled,
+                    paused.get(&entry.schedule.name).map_or(&[], Vec::as_slice),
                 )
                 .into_iter()
                 .map(|p| (i, p)),

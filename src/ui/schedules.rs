@@ -18,6 +18,7 @@ use super::view::{age, dash, enc, layout, time};
 use super::{Page, Ui, UiError};
 use crate::config::HumanDuration;
 use crate::scheduler::backfill::db_now;
+use crate::scheduler::controls::{self, Pause};
 use crate::scheduler::history::{self, CellState, Synced};
 use crate::scheduler::spec::Schedule;
 use crate::stats::snapshot;
@@ -31,6 +32,33 @@ fn next_fire(s: &Schedule, now: DateTime<Utc>) -> Markup {
         Some(_) => html! { span .muted { "disabled" } },
         None => html! { span .muted { "never" } },
     }
+}
+
+/// The open pauses (`almanac schedules pause`) by schedule.
+async fn paused_by_name(
+    conn: &mut sqlx::PgConnection,
+    names: &[String],
+) -> Result<HashMap<String, Pause>, UiError> {
+    Ok(controls::paused(conn, names)
+        .await
+        .map_err(crate::scheduler::backfill::BackfillError::from)?
+        .into_iter()
+        .map(|p| (p.schedule.clone(), p))
+        .collect())
+}
+
+/// A pause as text: the dashboard shows it; `almanac schedules resume` ends it.
+fn pause_text(p: &Pause) -> String {
+    let note = if p.note.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", p.note)
+    };
+    format!(
+        "paused since {} by {}{note}",
+        p.since.format("%Y-%m-%d %H:%M:%SZ"),
+        p.by
+    )
 }
 
 fn policy(row: &Synced) -> String {
@@ -53,6 +81,8 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
         .map(|s| (s.name, s.lag_seconds))
         .collect();
     let emitted = history::last_emitted(&mut tx).await?;
+    let names: Vec<String> = rows.iter().map(|r| r.name.clone()).collect();
+    let paused = paused_by_name(&mut tx, &names).await?;
     let now = db_now(&mut tx).await?;
     tx.commit().await?;
     let body = html! {
@@ -60,7 +90,7 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
             p .muted { "No schedules synced yet: the scheduler syncs the schedule files when it leads." }
         } @else {
             div .scroll { table #schedules {
-                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } } }
+                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } th { "paused" } } }
                 tbody {
                     @for row in &rows {
                         tr data-name=(row.name) {
@@ -74,6 +104,7 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
                             td { @match emitted.get(&row.name) { Some((run, _)) => (run), None => (dash()) } }
                             td .num { @match lags.get(&row.name) { Some(l) => (age(*l)), None => (dash()) } }
                             td .small { (policy(row)) }
+                            td .paused { @match paused.get(&row.name) { Some(p) => (pause_text(p)), None => (dash()) } }
                         }
                     }
                 }
@@ -123,6 +154,7 @@ pub(super) async fn detail(
         .find(|s| s.name == name)
         .map(|s| s.lag_seconds);
     let emitted = history::last_emitted(&mut tx).await?;
+    let paused = paused_by_name(&mut tx, std::slice::from_ref(&name)).await?;
     let now = db_now(&mut tx).await?;
     tx.commit().await?;
 
@@ -141,6 +173,7 @@ pub(super) async fn detail(
             dt { "cron" } dd { code { (row.cron) } " in " (row.timezone) }
             dt { "kind" } dd { a href={"/jobs?schedule=" (enc(&row.name))} { (row.kind) } }
             dt { "enabled" } dd { (row.enabled) }
+            dt { "paused" } dd #paused { @match paused.get(&name) { Some(p) => (pause_text(p)), None => "no" } }
             dt { "next fire" } dd #next-fire { (next_fire(&schedule, now)) }
             dt { "last emitted" } dd { @match emitted.get(&row.name) {
                 Some((run, at)) => { (run) " (" (time(*at)) ")" },
@@ -233,7 +266,7 @@ fn describe(state: &CellState) -> String {
             "before the schedule's history (its first sync or earliest ledger row)".into()
         }
         CellState::Disabled => {
-            "skipped (disabled; recorded when the schedule is enabled again)".into()
+            "skipped (disabled or paused; recorded when the scheduler next plans it)".into()
         }
         CellState::Due => "due now; the scheduler emits it at its next tick".into(),
     }

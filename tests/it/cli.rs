@@ -232,3 +232,132 @@ fn migrate_creates_a_missing_database() {
         .unwrap();
     assert!(drop.status.success());
 }
+
+/// A directory with one five-minute schedule, `every5`.
+fn schedule_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("almanac-cli-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("s.toml"), "[every5]\ncron = \"*/5 * * * *\"\n").unwrap();
+    dir
+}
+
+fn with_dir(url: &str, dir: &std::path::Path, args: &[&str]) -> Output {
+    harness::almanac()
+        .args(args)
+        .arg("--schedules")
+        .arg(dir)
+        .env("DATABASE_URL", url)
+        .env("USER", "alice")
+        .output()
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn pause_resume_and_trigger_refuse_bad_input_and_write_nothing(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let dir = schedule_dir("controls-bad");
+    for args in [
+        &["schedules", "pause", "nosuch"][..],
+        &["schedules", "resume", "nosuch"],
+        &["schedules", "trigger", "nosuch"],
+    ] {
+        let out = with_dir(&url, &dir, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = text(&out.stderr);
+        assert!(err.contains("no schedule named `nosuch`"), "{err}");
+        assert!(err.contains("known: every5"), "{err}");
+        assert!(err.contains("`almanac schedules list`"), "{err}");
+    }
+    let out = with_dir(
+        &url,
+        &dir,
+        &[
+            "schedules",
+            "trigger",
+            "every5",
+            "--logical-run",
+            "2026-03-08",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("`2026-03-08` is not a logical run of `every5`; its runs are named like `"),
+        "{err}"
+    );
+    for table in ["schedules", "schedule_pauses", "schedule_runs", "jobs"] {
+        let sql = format!("SELECT count(*) FROM almanac.{table}");
+        assert_eq!(count(&pool, &sql).await, 0, "{table}");
+    }
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn pause_shows_in_list_until_resumed_and_trigger_twice_emits_once(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let dir = schedule_dir("controls");
+    let out = with_dir(
+        &url,
+        &dir,
+        &["schedules", "pause", "every5", "--note", "deploy freeze"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("paused since")
+            && text(&out.stdout).contains("by alice: deploy freeze"),
+        "{}",
+        text(&out.stdout)
+    );
+    let again = with_dir(&url, &dir, &["schedules", "pause", "every5"]);
+    assert!(again.status.success());
+    assert!(
+        text(&again.stdout).contains("already paused"),
+        "{}",
+        text(&again.stdout)
+    );
+    let list = with_dir(&url, &dir, &["schedules", "list"]);
+    let listed = text(&list.stdout);
+    assert!(listed.contains("PAUSED"), "{listed}");
+    assert!(listed.contains("by alice: deploy freeze"), "{listed}");
+    let json = with_dir(&url, &dir, &["schedules", "list", "--json"]);
+    let row: serde_json::Value = serde_json::from_str(&text(&json.stdout)).unwrap();
+    assert_eq!(row["paused"]["note"], "deploy freeze");
+    assert_eq!(row["paused"]["by"], "alice");
+
+    let resumed = with_dir(&url, &dir, &["schedules", "resume", "every5"]);
+    assert!(resumed.status.success());
+    assert!(
+        text(&resumed.stdout).contains("resumed"),
+        "{}",
+        text(&resumed.stdout)
+    );
+    let json = with_dir(&url, &dir, &["schedules", "list", "--json"]);
+    let row: serde_json::Value = serde_json::from_str(&text(&json.stdout)).unwrap();
+    assert!(row["paused"].is_null());
+    let not = with_dir(&url, &dir, &["schedules", "resume", "every5"]);
+    assert!(not.status.success());
+    assert!(text(&not.stdout).contains("not paused"));
+
+    let first = with_dir(&url, &dir, &["schedules", "trigger", "every5"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(
+        text(&first.stdout).contains("emitted logical run"),
+        "{}",
+        text(&first.stdout)
+    );
+    let second = with_dir(&url, &dir, &["schedules", "trigger", "every5"]);
+    assert_eq!(second.status.code(), Some(0));
+    assert!(
+        text(&second.stdout).contains("already exists (recorded by trigger, job "),
+        "{}",
+        text(&second.stdout)
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 1);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_runs WHERE source = 'trigger'"
+        )
+        .await,
+        1
+    );
+}

@@ -1,6 +1,7 @@
 //! `almanac run` processes: leader failover after SIGKILL with no logical run
 //! missing or doubled, SIGHUP reloads, bad schedule files at start, and a
-//! leader with nothing enabled that does not spin. (Frozen, terminated,
+//! leader with nothing enabled that does not spin, a schedule disabled by
+//! reload, and one paused and resumed by the commands across a failover. (Frozen, terminated,
 //! stopped and clock-skewed leaders: tests/it/leader_faults.rs.)
 
 use std::time::Duration;
@@ -400,5 +401,146 @@ async fn a_schedule_disabled_and_reenabled_by_reload_skips_what_fell_due_meanwhi
         .await,
         rows - seconds,
         "one job per emitted run"
+    );
+}
+
+/// The real scheduler, paused and resumed by the commands while it leads,
+/// with the leader SIGKILLed in between: from the second after the pause,
+/// every run is recorded `skipped_paused` with no job, by the first leader
+/// (no reload, no restart) and by the standby that takes over (the pause is
+/// in the database); after the resume, runs are emitted again, the first on
+/// time; no second is missing or doubled.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_pause_takes_effect_at_the_next_tick_and_survives_a_leader_change(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let dir = dir_with("paused", &[("a.toml", "[tick]\ncron = \"* * * * * *\"\n")]);
+    let command = |args: &[&str]| {
+        let out = harness::almanac()
+            .args(args)
+            .arg("--schedules")
+            .arg(&dir)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let first = Proc::start(&url, &dir);
+    eventually("a leader", Duration::from_secs(30), || async {
+        first.said("became scheduler leader")
+    })
+    .await;
+    let second = Proc::start(&url, &dir);
+    let rows = "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'tick'";
+    eventually("runs before the pause", Duration::from_secs(30), || async {
+        count(&pool, rows).await >= 2
+    })
+    .await;
+
+    command(&["schedules", "pause", "tick", "--note", "maintenance"]);
+    let paused_at: DateTime<Utc> =
+        sqlx::query_scalar("SELECT paused_at FROM almanac.schedule_pauses WHERE schedule = 'tick'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let skipped_after = |at: DateTime<Utc>| {
+        let pool = &pool;
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM almanac.schedule_runs WHERE schedule = 'tick' \
+                 AND outcome = 'skipped_paused' AND fire_at > $1",
+            )
+            .bind(at)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        }
+    };
+    eventually("paused runs recorded", Duration::from_secs(15), || async {
+        skipped_after(paused_at).await >= 3
+    })
+    .await;
+    first.signal(libc::SIGKILL);
+    assert_eq!(first.exit_code().await, None, "killed by a signal");
+    eventually("the standby to lead", Duration::from_secs(15), || async {
+        second.said("became scheduler leader")
+    })
+    .await;
+    let took_over = db_now(&pool).await;
+    eventually(
+        "paused runs recorded by the new leader",
+        Duration::from_secs(15),
+        || async { skipped_after(took_over + chrono::Duration::seconds(1)).await >= 2 },
+    )
+    .await;
+
+    command(&["schedules", "resume", "tick"]);
+    let resumed_at: DateTime<Utc> = sqlx::query_scalar(
+        "SELECT resumed_at FROM almanac.schedule_pauses WHERE schedule = 'tick'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    eventually("runs after the resume", Duration::from_secs(15), || async {
+        runs_after(&pool, "tick", resumed_at + chrono::Duration::seconds(2)).await >= 1
+    })
+    .await;
+    second.signal(libc::SIGTERM);
+    assert_eq!(second.exit_code().await, Some(0));
+
+    // Inside the pause (from the second after it): skipped, no job.
+    let (inside, skipped, with_job): (i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT count(*), count(*) FILTER (WHERE outcome = 'skipped_paused'), count(job_id)
+          FROM almanac.schedule_runs
+         WHERE schedule = 'tick' AND fire_at >= $1 + interval '1 second' AND fire_at < $2
+        "#,
+    )
+    .bind(paused_at)
+    .bind(resumed_at)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(inside >= 5, "{inside}");
+    assert_eq!((skipped, with_job), (inside, 0));
+    // Every second once; from the second after the resume, emitted with a
+    // job, the first on time.
+    let after_resume = resumed_at + chrono::Duration::seconds(1);
+    let (rows, span, bad_after): (i64, i64, i64) = sqlx::query_as(
+        r#"
+        SELECT count(*),
+               extract(epoch FROM max(fire_at) - min(fire_at))::bigint + 1,
+               count(*) FILTER (WHERE fire_at >= $1 AND (outcome <> 'emitted' OR job_id IS NULL))
+          FROM almanac.schedule_runs WHERE schedule = 'tick'
+        "#,
+    )
+    .bind(after_resume)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, span, "every second once");
+    assert_eq!(bad_after, 0, "runs after the resume emitted");
+    let first_after: String = sqlx::query_scalar(
+        "SELECT source FROM almanac.schedule_runs WHERE schedule = 'tick' AND fire_at >= $1 ORDER BY fire_at LIMIT 1",
+    )
+    .bind(after_resume)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        first_after, "tick",
+        "the first run after the resume is on time"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM (SELECT logical_run FROM almanac.jobs WHERE schedule = 'tick' \
+             GROUP BY logical_run HAVING count(*) > 1) d"
+        )
+        .await,
+        0
     );
 }

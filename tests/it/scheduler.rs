@@ -974,3 +974,207 @@ async fn gaps_and_the_calendar_agree_on_a_backfilled_history_before_the_first_sy
         .collect();
     assert_eq!(missing, want);
 }
+
+/// Paused is not missed, and a pause lives in the database. A five-minute
+/// schedule emits on time; it is paused (with a note, by someone) before its
+/// next run: that run, due at the very next tick, is recorded
+/// `skipped_paused` with no job. A second leader loaded after the pause sees
+/// it; runs missed while no leader ran and the schedule was paused are
+/// recorded `skipped_paused`, not caught up. After the resume the next run
+/// is emitted on time; `gaps` lists none of the paused runs; `backfill` fills
+/// them once; nothing is doubled.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn runs_due_while_paused_are_recorded_skipped_and_resume_is_on_time(pool: PgPool) {
+    use almanac::scheduler::controls;
+    let mut conn = pool.acquire().await.unwrap();
+    let mut ticker = Ticker::load_at(&mut conn, every5(true), GRACE, None)
+        .await
+        .unwrap();
+    let s = &every5(true)[0];
+    let f = ticker.next_wake().unwrap();
+    let min = |m: i64| f + chrono::Duration::minutes(m);
+    let sec = chrono::Duration::seconds(1);
+    assert_eq!(ticker.tick(&mut conn, f + sec).await.unwrap().emitted, 1);
+
+    let paused = controls::pause(&mut conn, s, "deploy freeze", "alice", Some(min(3)))
+        .await
+        .unwrap();
+    assert!(
+        matches!(paused, controls::Paused::Now(ref p) if p.note == "deploy freeze" && p.by == "alice")
+    );
+    let again = controls::pause(&mut conn, s, "other", "bob", Some(min(4)))
+        .await
+        .unwrap();
+    assert!(matches!(again, controls::Paused::Already(ref p) if p.by == "alice"));
+    // Effective at the next tick, with no reload.
+    for m in [5, 10] {
+        let r = ticker.tick(&mut conn, min(m) + sec).await.unwrap();
+        assert_eq!((r.emitted, r.skipped_paused), (0, 1), "at +{m}m");
+    }
+    // A leader change: the new leader reads the pause from the database.
+    drop(ticker);
+    let mut ticker = Ticker::load_at(&mut conn, every5(true), GRACE, None)
+        .await
+        .unwrap();
+    let r = ticker.tick(&mut conn, min(15) + sec).await.unwrap();
+    assert_eq!((r.emitted, r.skipped_paused), (0, 1));
+    // No leader from +16m to +30m30s: paused runs are not caught up.
+    let r = ticker
+        .tick(&mut conn, min(30) + chrono::Duration::seconds(30))
+        .await
+        .unwrap();
+    assert_eq!((r.emitted, r.skipped_paused, r.skipped_catchup), (0, 3, 0));
+
+    let resumed = controls::resume(&mut conn, &s.name, "carol", Some(min(32)))
+        .await
+        .unwrap();
+    assert_eq!(resumed.map(|p| p.since), Some(min(3)));
+    assert_eq!(
+        controls::resume(&mut conn, &s.name, "carol", Some(min(33)))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(ticker.next_wake(), Some(min(35)));
+    let r = ticker.tick(&mut conn, min(35) + sec).await.unwrap();
+    assert_eq!(
+        (r.emitted, r.skipped_paused),
+        (1, 0),
+        "on time after resume"
+    );
+
+    let run = |m: i64| {
+        let run = s
+            .next_after(min(m) - chrono::Duration::microseconds(1))
+            .unwrap();
+        assert_eq!(run.fire_at, min(m));
+        run.logical_run
+    };
+    let row = |m: i64, source: &str, outcome: &str| {
+        (
+            run(m),
+            source.to_string(),
+            outcome.to_string(),
+            outcome == "emitted",
+        )
+    };
+    let mut want = vec![row(0, "tick", "emitted")];
+    want.extend([5, 10, 15].map(|m| row(m, "tick", "skipped_paused")));
+    want.extend([20, 25].map(|m| row(m, "catchup", "skipped_paused")));
+    want.push(row(30, "tick", "skipped_paused"));
+    want.push(row(35, "tick", "emitted"));
+    assert_eq!(ledger(&pool).await["every5"], want);
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 2);
+
+    // Paused runs are not gaps; backfill fills them, once.
+    let gaps = backfill::gaps_at(&mut conn, s, f, min(36), min(36))
+        .await
+        .unwrap();
+    assert!(gaps.is_empty(), "{gaps:?}");
+    let range = backfill::Range {
+        from: min(5),
+        to: min(10) + sec,
+        dry_run: false,
+        allow_future: true,
+    };
+    for emitted_after_skip in [2, 0] {
+        let report = backfill::backfill(&mut conn, s, range, |_, _| {})
+            .await
+            .unwrap();
+        assert_eq!(report.emitted_after_skip, emitted_after_skip);
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 4);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM (SELECT logical_run FROM almanac.jobs GROUP BY logical_run HAVING count(*) > 1) d"
+        )
+        .await,
+        0
+    );
+}
+
+/// Trigger goes through the ledger: the same logical run triggered twice,
+/// or by two callers at once, is one job; the tick that later reaches it
+/// emits nothing more, and a triggered run does not move the scheduler's
+/// cursor. Without a name, the most recent due run is triggered, once. A
+/// name that is not a logical run of the schedule is refused with an example.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn trigger_emits_one_job_per_logical_run_however_often_it_is_called(pool: PgPool) {
+    use almanac::scheduler::controls::{self, Triggered};
+    let mut conn = pool.acquire().await.unwrap();
+    let mut ticker = Ticker::load_at(&mut conn, every5(true), GRACE, None)
+        .await
+        .unwrap();
+    let s = &every5(true)[0];
+    let f = ticker.next_wake().unwrap();
+    let min = |m: i64| f + chrono::Duration::minutes(m);
+    let name_at = |m: i64| s.next_after(min(m) - chrono::Duration::seconds(1)).unwrap();
+    let five = name_at(5).logical_run;
+
+    let first = controls::trigger(&mut conn, s, Some(&five)).await.unwrap();
+    assert!(matches!(first, Triggered::Emitted { ref run, .. } if run.logical_run == five));
+    let second = controls::trigger(&mut conn, s, Some(&five)).await.unwrap();
+    assert!(
+        matches!(second, Triggered::Existed { ref source, job_id: Some(_), .. } if source == "trigger")
+    );
+
+    // Two callers at once.
+    let ten = name_at(10).logical_run;
+    let (mut a, mut b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    let (x, y) = tokio::join!(
+        controls::trigger(&mut a, s, Some(&ten)),
+        controls::trigger(&mut b, s, Some(&ten))
+    );
+    let emitted = [x.unwrap(), y.unwrap()]
+        .iter()
+        .filter(|t| matches!(t, Triggered::Emitted { .. }))
+        .count();
+    assert_eq!(emitted, 1);
+
+    // The cursor is the scheduler's own: a new leader still plans from f.
+    let mut fresh = Ticker::load_at(&mut conn, every5(true), GRACE, None)
+        .await
+        .unwrap();
+    assert_eq!(fresh.next_wake(), Some(f));
+    drop(fresh.tick(&mut conn, f).await.unwrap());
+    // The first leader reaches f (emitted by the second), +5m and +10m.
+    for (m, existed) in [(5, 2), (10, 1)] {
+        let r = ticker
+            .tick(&mut conn, min(m) + chrono::Duration::seconds(1))
+            .await
+            .unwrap();
+        assert_eq!((r.emitted, r.existed), (0, existed), "at +{m}m");
+    }
+
+    // Without a name: the most recent due run, once.
+    let latest = controls::trigger(&mut conn, s, None).await.unwrap();
+    let Triggered::Emitted { run, .. } = latest else {
+        panic!("{latest:?}")
+    };
+    assert!(run.fire_at < f);
+    let again = controls::trigger(&mut conn, s, None).await.unwrap();
+    assert!(matches!(again, Triggered::Existed { run: ref r, .. } if *r == run));
+
+    // Jobs: f (tick), +5m, +10m, the latest due: each once, each due now.
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 4);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE run_at > now()"
+        )
+        .await,
+        1,
+        "only the tick's own run at f waits for its time"
+    );
+    let bad = controls::trigger(&mut conn, s, Some("2026-03-08"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bad.contains("`2026-03-08` is not a logical run of `every5`"),
+        "{bad}"
+    );
+    assert!(bad.contains("named like `"), "{bad}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 4);
+}

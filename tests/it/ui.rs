@@ -207,6 +207,8 @@ async fn seed(pool: &PgPool) -> (String, DateTime<Utc>) {
                                        overlap, max_attempts, enabled, definition_hash, created_at)
           VALUES ('nightly', '0 2 * * *', 'UTC', 'report', '{}', 'all', '7 days', 'skip', 5, true, 'h',
                   now() - interval '10 days');
+        INSERT INTO almanac.schedule_pauses (schedule, paused_at, note, paused_by)
+          VALUES ('nightly', now(), 'quarter close', 'alice');
         "#,
     )
     .await;
@@ -433,11 +435,19 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
 
     // Schedules, and the calendar with its hole.
     c.goto(&format!("{base}/schedules")).await.unwrap();
-    assert!(text(&c, "tr[data-name='nightly']")
-        .await
-        .contains("0 2 * * *"));
+    let row = text(&c, "tr[data-name='nightly']").await;
+    assert!(row.contains("0 2 * * *"), "{row}");
+    assert!(
+        row.contains("by alice: quarter close"),
+        "a pause shows as text: {row}"
+    );
     shot(&c, "schedules").await;
     c.goto(&format!("{base}/schedules/nightly")).await.unwrap();
+    let paused = text(&c, "#paused").await;
+    assert!(
+        paused.starts_with("paused since") && paused.ends_with("by alice: quarter close"),
+        "{paused}"
+    );
     let state = |s: &'static str| {
         let c = &c;
         async move { number(c, &format!("#legend strong[data-state='{s}']")).await }
