@@ -299,9 +299,7 @@ CREATE TABLE almanac.schedule_runs (
     job_id bigint,
     recorded_at timestamp with time zone DEFAULT now() NOT NULL,
     source text NOT NULL,
-    outcome text NOT NULL,
-    CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text, 'skipped_disabled'::text, 'skipped_paused'::text]))),
-    CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text, 'trigger'::text])))
+    outcome text NOT NULL
 );
 
 
@@ -387,11 +385,27 @@ ALTER TABLE ONLY almanac.schedule_pauses
 
 
 --
+-- Name: schedule_runs schedule_runs_outcome_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.schedule_runs
+    ADD CONSTRAINT schedule_runs_outcome_check CHECK ((outcome = ANY (ARRAY['emitted'::text, 'skipped_catchup'::text, 'skipped_overlap'::text, 'skipped_disabled'::text, 'skipped_paused'::text]))) NOT VALID;
+
+
+--
 -- Name: schedule_runs schedule_runs_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
 --
 
 ALTER TABLE ONLY almanac.schedule_runs
     ADD CONSTRAINT schedule_runs_pkey PRIMARY KEY (schedule, logical_run);
+
+
+--
+-- Name: schedule_runs schedule_runs_source_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.schedule_runs
+    ADD CONSTRAINT schedule_runs_source_check CHECK ((source = ANY (ARRAY['tick'::text, 'catchup'::text, 'backfill'::text, 'trigger'::text]))) NOT VALID;
 
 
 --
@@ -532,7 +546,7 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 -- Name: schedule_runs_planned_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
-CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source = ANY (ARRAY['tick'::text, 'catchup'::text]));
+CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
 
 
 --

@@ -218,7 +218,7 @@ impl Expected {
             SELECT least(
                 (SELECT created_at FROM almanac.schedules WHERE name = $1),
                 (SELECT fire_at FROM almanac.schedule_runs WHERE schedule = $1
-                  ORDER BY fire_at LIMIT 1))
+                  AND source <> 'trigger' ORDER BY fire_at LIMIT 1))
             "#,
         )
         .bind(schedule)

@@ -38,10 +38,11 @@ pub async fn sync(
 /// [`sync`], with the instant the disabled spells open and close at: `None`
 /// is the database's `now()`; tests on an injected clock pass theirs.
 ///
-/// In the same transaction, every disabled schedule without an open spell in
+/// With `disable_missing` (the leader's sync of the whole set), in the same
+/// transaction, every disabled schedule without an open spell in
 /// `almanac.schedule_disabled` gets one from `at`, and every enabled
-/// schedule's open spell is closed at `at`: the spells follow the
-/// definitions whichever process syncs them (a leader, a backfill).
+/// schedule's open spell is closed at `at`: the spells follow the leader's
+/// definitions, never those of a CLI run on another host.
 pub async fn sync_at(
     conn: &mut PgConnection,
     schedules: &[Schedule],
@@ -88,6 +89,22 @@ pub async fn sync_at(
         .execute(&mut *tx)
         .await?;
     }
+    // Only the leader's sync (the whole set: `disable_missing`) keeps the
+    // spells: a CLI syncing one schedule from its own host's files (backfill,
+    // pause, trigger) must not open or close the leader's spells.
+    if disable_missing {
+        keep_spells(&mut tx, at).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Opens a spell for every disabled schedule without one, closes the open
+/// spell of every enabled schedule, at `at` (`None`: the database's now).
+async fn keep_spells(
+    conn: &mut PgConnection,
+    at: Option<DateTime<Utc>>,
+) -> Result<(), LedgerError> {
     sqlx::query(
         r#"
         WITH opened AS (
@@ -105,9 +122,8 @@ pub async fn sync_at(
         "#,
     )
     .bind(at)
-    .execute(&mut *tx)
+    .execute(conn)
     .await?;
-    tx.commit().await?;
     Ok(())
 }
 
@@ -158,7 +174,7 @@ pub async fn cursors(
         r#"
         SELECT s.name, s.created_at,
                (SELECT r.fire_at FROM almanac.schedule_runs r
-                WHERE r.schedule = s.name AND r.source IN ('tick', 'catchup')
+                WHERE r.schedule = s.name AND r.source <> 'backfill' AND r.source <> 'trigger'
                 ORDER BY r.fire_at DESC LIMIT 1)
         FROM almanac.schedules s WHERE s.name = ANY($1)
         "#,

@@ -101,7 +101,7 @@ pub async fn schedules(conn: &mut PgConnection) -> Result<Vec<ScheduleState>, sq
                (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
                  ORDER BY r.fire_at DESC LIMIT 1),
                (SELECT r.fire_at FROM almanac.schedule_runs r
-                 WHERE r.schedule = s.name AND r.source IN ('tick', 'catchup')
+                 WHERE r.schedule = s.name AND r.source <> 'backfill' AND r.source <> 'trigger'
                  ORDER BY r.fire_at DESC LIMIT 1),
                now()
           FROM almanac.schedules s WHERE s.enabled ORDER BY s.name
