@@ -14,7 +14,12 @@
 //! scheme names runs by their slot, so "now" is only idempotent as a slot
 //! that exists. A run already recorded with a job is reported and nothing is
 //! emitted; a run recorded as skipped gets its job, as a backfill would.
-//! Triggered rows never move the scheduler's cursor.
+//! Triggered rows never move the scheduler's cursor forward, so they cannot
+//! hide a due run. (A run the tick recorded skipped and a trigger then
+//! emits is re-sourced `trigger`, as a backfill re-sources it `backfill`:
+//! the cursor then reads the run before it, and the schedule's lag reads up
+//! to one period high until the tick records the next run; nothing is
+//! emitted twice, the next load finds every row already there.)
 
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgConnection;
