@@ -13,8 +13,21 @@ use chrono::{DateTime, Utc};
 use sqlx::{Connection, PgConnection};
 
 use super::plan::{Cursor, Decision, Planned};
+
+/// The scheduler's cursor, as SQL: the latest run of schedule `s` that a
+/// tick or catch-up planned (backfilled and triggered rows are not the
+/// scheduler's plan and never move it). One definition for the leader's
+/// planning ([`cursors`]) and the lag `stats` reports.
+macro_rules! cursor_sql {
+    () => {
+        "(SELECT r.fire_at FROM almanac.schedule_runs r \
+          WHERE r.schedule = s.name AND r.source <> 'backfill' AND r.source <> 'trigger' \
+          ORDER BY r.fire_at DESC LIMIT 1)"
+    };
+}
 use super::spec::{Overlap, Schedule};
 use crate::queue::{self, QueueError};
+pub(crate) use cursor_sql;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -170,15 +183,11 @@ pub async fn cursors(
     conn: &mut PgConnection,
     names: &[String],
 ) -> Result<HashMap<String, Cursor>, LedgerError> {
-    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(
-        r#"
-        SELECT s.name, s.created_at,
-               (SELECT r.fire_at FROM almanac.schedule_runs r
-                WHERE r.schedule = s.name AND r.source <> 'backfill' AND r.source <> 'trigger'
-                ORDER BY r.fire_at DESC LIMIT 1)
-        FROM almanac.schedules s WHERE s.name = ANY($1)
-        "#,
-    )
+    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(concat!(
+        "SELECT s.name, s.created_at, ",
+        cursor_sql!(),
+        " FROM almanac.schedules s WHERE s.name = ANY($1)"
+    ))
     .bind(names)
     .fetch_all(conn)
     .await?;

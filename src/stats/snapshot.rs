@@ -95,18 +95,13 @@ type ScheduleRow = (
 /// Enabled schedules as last synced, with their latest ledger row and their
 /// cursor (the latest run a tick or catch-up planned), each one index probe.
 pub async fn schedules(conn: &mut PgConnection) -> Result<Vec<ScheduleState>, sqlx::Error> {
-    let rows: Vec<ScheduleRow> = sqlx::query_as(
-        r#"
-        SELECT s.name, s.cron, s.timezone, s.start, s.created_at,
-               (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name
-                 ORDER BY r.fire_at DESC LIMIT 1),
-               (SELECT r.fire_at FROM almanac.schedule_runs r
-                 WHERE r.schedule = s.name AND r.source <> 'backfill' AND r.source <> 'trigger'
-                 ORDER BY r.fire_at DESC LIMIT 1),
-               now()
-          FROM almanac.schedules s WHERE s.enabled ORDER BY s.name
-        "#,
-    )
+    let rows: Vec<ScheduleRow> = sqlx::query_as(concat!(
+        "SELECT s.name, s.cron, s.timezone, s.start, s.created_at, \
+                    (SELECT r.fire_at FROM almanac.schedule_runs r WHERE r.schedule = s.name \
+                      ORDER BY r.fire_at DESC LIMIT 1), ",
+        crate::scheduler::ledger::cursor_sql!(),
+        ", now() FROM almanac.schedules s WHERE s.enabled ORDER BY s.name"
+    ))
     .fetch_all(conn)
     .await?;
     Ok(rows
