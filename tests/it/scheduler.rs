@@ -966,10 +966,13 @@ async fn gaps_and_the_calendar_agree_on_a_backfilled_history_before_the_first_sy
         ago(20)
     ))[0];
     let calendar = history::calendar(&mut conn, s).await.unwrap();
+    // Over the days `gaps` was asked about (through yesterday): today's
+    // 03:00 run is missing too once the wall clock is past it.
+    let last = ago(1);
     let missing: Vec<String> = calendar
         .cells
         .iter()
-        .filter(|c| c.state == history::CellState::Missing)
+        .filter(|c| c.state == history::CellState::Missing && c.run.logical_run <= last)
         .map(|c| c.run.logical_run.clone())
         .collect();
     assert_eq!(missing, want);
