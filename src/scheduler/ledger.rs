@@ -37,6 +37,19 @@ pub enum LedgerError {
     Queue(#[from] QueueError),
 }
 
+impl LedgerError {
+    /// The statement ran out of its `statement_timeout` or `lock_timeout`
+    /// (its transaction is aborted; nothing of it was written).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            LedgerError::Db(sqlx::Error::Database(e)) => {
+                matches!(e.code().as_deref(), Some("57014" | "55P03"))
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Upserts the definitions in one transaction, at the database's time. With
 /// `disable_missing`, the schedules not in `schedules` (removed from the
 /// files) are disabled; their ledger stays.
@@ -268,12 +281,41 @@ pub async fn record(
     overlap: bool,
     emit_skipped: bool,
 ) -> Result<Recorded, LedgerError> {
+    if batch.is_empty() {
+        return Ok(Recorded::default());
+    }
+    let mut tx = conn.begin().await?;
+    let report = record_in(&mut tx, batch, overlap, emit_skipped).await?;
+    tx.commit().await?;
+    Ok(report)
+}
+
+/// The kinds of `kinds` whose route lock is busy right now (held
+/// exclusively by `almanac route set`, or wanted by it): the others are
+/// locked shared for the rest of the transaction, as the jobs' insert trigger
+/// would lock them, but without waiting. The leader defers the busy kinds'
+/// runs instead of waiting behind them (see [`super::ticker`]).
+pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<String>, LedgerError> {
+    Ok(sqlx::query_scalar(
+        "SELECT k FROM unnest($1::text[]) AS k \
+         WHERE NOT pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || k))",
+    )
+    .bind(kinds)
+    .fetch_all(tx)
+    .await?)
+}
+
+/// [`record`] inside the caller's transaction `tx`, which commits it.
+pub async fn record_in(
+    tx: &mut PgConnection,
+    batch: &[(&Schedule, &Planned)],
+    overlap: bool,
+    emit_skipped: bool,
+) -> Result<Recorded, LedgerError> {
     let mut report = Recorded::default();
     if batch.is_empty() {
         return Ok(report);
     }
-    let mut tx = conn.begin().await?;
-
     let mut busy: HashSet<&str> = HashSet::new();
     let mut busy_rows: Vec<String> = Vec::new();
     if overlap {
@@ -283,7 +325,7 @@ pub async fn record(
             .map(|(s, _)| s.name.as_str())
             .collect();
         if !skippers.is_empty() {
-            busy_rows = queue::schedules_with_unfinished_jobs(&mut tx, &skippers).await?;
+            busy_rows = queue::schedules_with_unfinished_jobs(&mut *tx, &skippers).await?;
         }
     }
     busy.extend(busy_rows.iter().map(String::as_str));
@@ -375,7 +417,6 @@ pub async fn record(
     .bind(queue::NOTIFY_CHANNEL)
     .fetch_all(&mut *tx)
     .await?;
-    tx.commit().await?;
     let mut written = 0;
     for (schedule, outcome, was_there, count) in counts {
         let count = count as u64;

@@ -42,6 +42,7 @@ pub mod spec;
 pub mod ticker;
 pub mod timeline;
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -59,7 +60,7 @@ use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};
 use leader::{LeaderLost, Leadership};
 use ledger::Recorded;
 use spec::Schedule;
-use ticker::Ticker;
+use ticker::{Budget, Step, Ticker};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -257,6 +258,30 @@ impl Scheduler {
         }
     }
 
+    /// Says which schedules a step deferred and why, once per busy spell
+    /// of a kind; and when the kinds are free again.
+    fn deferred(&self, step: &Step, deferring: bool, busy_said: &mut HashSet<String>) {
+        if step.timed_out {
+            warn!(
+                schedules = ?step.deferred,
+                "a scheduler step ran out of its time and was rolled back; retrying it smaller in a second"
+            );
+        }
+        for kind in &step.busy {
+            if busy_said.insert(kind.clone()) {
+                warn!(
+                    kind = %kind,
+                    schedules = ?step.deferred,
+                    "the kind's route lock is busy (a route change, or a transaction it waits on); its runs are emitted when it is free, the other schedules go on"
+                );
+            }
+        }
+        if !busy_said.is_empty() && !deferring {
+            info!(kinds = ?busy_said, "route locks free again; the deferred runs are recorded");
+            busy_said.clear();
+        }
+    }
+
     /// The host clock as this process reads it.
     fn host_now(&self) -> DateTime<Utc> {
         Utc::now() + self.config.clock_offset
@@ -277,7 +302,7 @@ impl Scheduler {
         )
         .await;
         let mut ticker = match loaded {
-            Ok(Ok(ticker)) => ticker,
+            Ok(Ok(ticker)) => ticker.with_budget(Budget::for_leader_timeout(limit)),
             Ok(Err(err)) => {
                 self.lost(&format!("syncing schedules failed: {err}"));
                 return Ended::Lost;
@@ -289,6 +314,8 @@ impl Scheduler {
         };
         let mut skew_warned = false;
         let mut idle_said = false;
+        let mut busy_said: HashSet<String> = HashSet::new();
+        let mut awake_since = None;
         loop {
             let now = match leadership.heartbeat().await {
                 Ok(now) => now,
@@ -298,6 +325,7 @@ impl Scheduler {
                 }
             };
             let read_at = Instant::now();
+            let awake_since = *awake_since.get_or_insert(now);
             let skew = self.host_now() - now;
             if !skew_warned && skew.abs() > chrono::Duration::seconds(2) {
                 skew_warned = true;
@@ -306,11 +334,15 @@ impl Scheduler {
                     "the host clock differs from the database's; the scheduler plans by the database's time"
                 );
             }
+            // Steps until nothing is due at `now`; after `heartbeat`, back to
+            // the heartbeat (a fresh `now`), never sleeping while runs are due.
             loop {
-                match tokio::time::timeout(limit, ticker.step(leadership.conn(), now)).await {
+                let step = ticker.step(leadership.conn(), now, awake_since);
+                match tokio::time::timeout(limit, step).await {
                     Ok(Ok(step)) => {
+                        self.deferred(&step, ticker.deferring(), &mut busy_said);
                         self.recorded(step.recorded);
-                        if !step.more {
+                        if !step.more || read_at.elapsed() >= heartbeat {
                             break;
                         }
                     }

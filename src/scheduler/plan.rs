@@ -14,9 +14,12 @@
 //! the same way; a paused schedule is still planned, so its runs are
 //! recorded as they fall due and the run after a resume is on time.
 //!
-//! Of the other runs, a run is **on time** while `now - fire_at <= grace`;
-//! it is emitted as a `tick`. A run later than that was **missed** (the
-//! scheduler was down, paused, or not leader) and goes through the
+//! Of the other runs, a run is **on time** while `seen - fire_at <= grace`,
+//! where `seen` is when a living leader first saw it due: the leader's
+//! start for runs that fell due before it, the fire time itself for runs
+//! that fell due while it led (see [`super::ticker`]; a slow or blocked step
+//! never makes a run missed). An on-time run is emitted as a `tick`. A run
+//! later than that was **missed** (no leader was running) and goes through the
 //! schedule's catch-up policy as `catchup`: `all` emits every missed run
 //! inside `catchup_window`; `latest` emits only the most recent due run (of
 //! those that fell due while enabled); `none` emits none. Missed runs that
@@ -157,13 +160,15 @@ pub fn runs_in(
 }
 
 /// Classifies due runs (from [`due_runs`]) as the module doc says, with
-/// the schedule's disabled and paused spells (any order). `complete` says whether
-/// `runs` reaches `now` (it was not cut by a limit), which `latest` needs
-/// to know which run is the most recent.
+/// the schedule's disabled and paused spells (any order). `awake` is when
+/// the leader began watching (or `now`, for one that just woke): a run is as
+/// late as `awake - fire_at`, and never late when it fell due after `awake`.
+/// `complete` says whether `runs` reaches `now` (it was not cut by a limit),
+/// which `latest` needs to know which run is the most recent.
 pub fn classify(
     schedule: &Schedule,
     runs: Vec<Run>,
-    now: DateTime<Utc>,
+    awake: DateTime<Utc>,
     grace: Duration,
     complete: bool,
     disabled: &[Spell],
@@ -184,7 +189,7 @@ pub fn classify(
     };
     runs.into_iter()
         .map(|run| {
-            let late = now - run.fire_at;
+            let late = awake - run.fire_at;
             let on_time = if late <= grace {
                 Source::Tick
             } else {

@@ -32,6 +32,7 @@ mod relay_faults;
 mod relay_routes;
 mod scheduler;
 mod schema;
+mod slow_tick;
 mod ui;
 mod worker;
 mod worker_faults;
