@@ -13,6 +13,25 @@
 //! again after a crash) finds the job done. If the database is unreachable
 //! the message is neither acked nor committed; the consumer retries it.
 //!
+//! **A job of a kind the consumer has no handler for is never acknowledged.**
+//! Its claim tells it apart from a skip ([`queue::ClaimById::OtherKind`]);
+//! the consumer logs an error naming the kind and the destination (at most
+//! every [`OTHER_KIND_LOG_EVERY`] per kind), counts it in
+//! `almanac_consumer_unhandled_kind_total`, and gives the message back:
+//! a RabbitMQ consumer puts it back at the tail of its queue after
+//! [`OTHER_KIND_HOLD`] (a confirmed copy, then the ack: see [`rabbitmq`]),
+//! so the queue's other consumers take turns with it; a Kafka consumer cannot pass one
+//! message on inside its group, so it commits nothing past it and leaves the
+//! group for a while ([`kafka`]), handing its partitions to the group's other
+//! members. On Kafka, every consumer of a group should run every kind routed
+//! to its topic; a consumer that does not is told so at start.
+//!
+//! **Claims end on the server.** A claim gets no answer after `lease / 3`,
+//! and the consumer gives up on it; its connection (a pool of its own, see
+//! [`crate::db::bounded_pool`]) has the same `statement_timeout` and
+//! `lock_timeout`, so an abandoned claim rolls back instead of committing a
+//! lease nobody holds.
+//!
 //! **Shutdown** (SIGTERM, or the token) is a worker's: stop taking messages,
 //! let running jobs finish within `shutdown_deadline`, then cancel them and
 //! release their jobs (`ready` again, or `dead` with their attempts used up;
@@ -31,22 +50,30 @@ mod rabbitmq;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{error, warn};
 
 use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::metrics::Metrics;
-use crate::queue::{self, QueueError};
+use crate::queue::{self, ClaimById, QueueError};
 use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
 use crate::worker::{Executed, Executor, Handler, WorkerConfig, WorkerReport};
 
 /// The header carrying the job id.
 pub const JOB_ID_HEADER: &str = "almanac-job-id";
+
+/// How long a RabbitMQ consumer holds a message of a kind it cannot run
+/// before giving it back (no hot loop of redeliveries).
+pub const OTHER_KIND_HOLD: Duration = Duration::from_secs(1);
+
+/// The error about a kind the consumer cannot run is logged at most this often per kind.
+pub const OTHER_KIND_LOG_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
@@ -100,6 +127,11 @@ impl Progress {
 
 pub struct Consumer {
     pool: PgPool,
+    /// Claims go through connections bound by the claim deadline.
+    claims: PgPool,
+    /// When the error about each kind it cannot run was last logged, and how
+    /// many messages of it came since.
+    other_kinds: Mutex<HashMap<String, (Option<Instant>, u64)>>,
     sinks: SinkConfig,
     config: ConsumerConfig,
     handlers: HashMap<String, Arc<dyn Handler>>,
@@ -117,16 +149,26 @@ enum ClaimError {
 }
 
 /// What became of one message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Handled {
     Executed(Executed),
     Skipped,
+    /// Its job is of a kind this consumer has no handler for: give the
+    /// message back, never acknowledge it.
+    OtherKind(String),
 }
 
 impl Consumer {
     pub fn new(pool: PgPool, sinks: SinkConfig, config: ConsumerConfig) -> Self {
+        let claims = crate::db::bounded_pool(
+            &pool,
+            config.worker.lease / 3,
+            (config.worker.concurrency as u32).saturating_add(1),
+        );
         Consumer {
             pool,
+            claims,
+            other_kinds: Mutex::default(),
             sinks,
             config,
             handlers: HashMap::new(),
@@ -176,13 +218,21 @@ impl Consumer {
         // makes the job ready again, with a fresh message.
         let within = self.config.worker.lease / 3;
         let kinds = self.kinds();
-        let claim = queue::claim_by_id(&self.pool, id, &kinds, self.config.worker.lease);
+        let claim = queue::claim_by_id(&self.claims, id, &kinds, self.config.worker.lease);
         let claimed = tokio::time::timeout(within, claim)
             .await
             .map_err(|_| ClaimError::TimedOut(within))??;
-        let Some(job) = claimed else {
-            self.counters.skipped.fetch_add(1, Ordering::Relaxed);
-            return Ok(Some(Handled::Skipped));
+        let job = match claimed {
+            ClaimById::Claimed(job) => job,
+            ClaimById::Skip => {
+                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(Handled::Skipped));
+            }
+            ClaimById::OtherKind(kind) => {
+                drop(slot);
+                self.other_kind(&kind, id);
+                return Ok(Some(Handled::OtherKind(kind)));
+            }
         };
         let handler = self.handlers[&job.kind].clone();
         self.counters.executed.fetch_add(1, Ordering::Relaxed);
@@ -194,6 +244,49 @@ impl Consumer {
             Err(job) => executor.release_unstarted(job).await,
         };
         Ok(Some(Handled::Executed(executed)))
+    }
+
+    /// The kinds routed to this consumer's destination that it has no
+    /// handler for (read once, at start; `None` if the database did not say
+    /// within a few seconds).
+    async fn unhandled_routed_kinds(&self) -> Option<Vec<String>> {
+        let read = sqlx::query_scalar::<_, String>(
+            "SELECT kind FROM almanac.routes \
+             WHERE mode IN ('dual', 'broker') AND sink = $1 AND destination = $2 \
+               AND kind <> ALL($3) ORDER BY kind",
+        )
+        .bind(self.config.sink.as_str())
+        .bind(&self.config.destination)
+        .bind(self.kinds())
+        .fetch_all(&self.pool);
+        match tokio::time::timeout(Duration::from_secs(5), read).await {
+            Ok(Ok(kinds)) => Some(kinds),
+            _ => None,
+        }
+    }
+
+    /// Says that a message of `kind` came that this consumer cannot run: a
+    /// metric each time, an error at most every [`OTHER_KIND_LOG_EVERY`].
+    fn other_kind(&self, kind: &str, job_id: i64) {
+        let destination = &self.config.destination;
+        self.metrics.record_unhandled_kind(kind, destination);
+        let mut seen = self.other_kinds.lock().expect("not poisoned");
+        let now = Instant::now();
+        let (last, since) = seen.entry(kind.to_string()).or_insert((None, 0));
+        *since += 1;
+        if last.is_none_or(|at| now.duration_since(at) >= OTHER_KIND_LOG_EVERY) {
+            error!(
+                kind,
+                destination = %destination,
+                sink = %self.config.sink,
+                job_id,
+                messages = *since,
+                handled = ?self.kinds(),
+                "a message's job is of a kind this consumer has no handler for; giving it back unacknowledged. Start a consumer of this destination that handles the kind, or route the kind elsewhere (almanac route set)"
+            );
+            *last = Some(now);
+            *since = 0;
+        }
     }
 
     /// Handles a message until it is handled or shutdown comes; `None` on
@@ -231,6 +324,17 @@ impl Role for Consumer {
     async fn run(self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
         if self.handlers.is_empty() {
             return Err(ConsumerError::NoHandlers);
+        }
+        if let Some(missing) = self.unhandled_routed_kinds().await {
+            if !missing.is_empty() {
+                warn!(
+                    sink = %self.config.sink,
+                    destination = %self.config.destination,
+                    kinds = ?missing,
+                    handled = ?self.kinds(),
+                    "kinds routed to this destination have no handler in this consumer: their messages are given back, never run here. Every consumer of a destination should run every kind routed to it (on Kafka, a consumer that cannot steps out of its group when it meets one)"
+                );
+            }
         }
         let this = Arc::new(self);
         let executor = Executor::start(

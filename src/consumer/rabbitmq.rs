@@ -1,18 +1,34 @@
 //! The RabbitMQ side of a consumer: up to `concurrency` deliveries at once
 //! (the prefetch), each acked after its job's outcome is recorded; an
 //! explicit reconnect loop with backoff.
+//!
+//! A delivery whose job is of a kind this consumer cannot run is held
+//! [`super::OTHER_KIND_HOLD`], then published again to the tail of its queue
+//! (the same body and headers; the channel is in confirm mode) and, once the
+//! broker confirmed the copy, held as long again and acknowledged (while the
+//! original is held, this consumer's prefetch stays taken, so the copy goes
+//! to a consumer with room rather than straight back here). A plain `nack` with requeue would
+//! put it back at the head, where the same consumer takes it again at once
+//! and never reaches the messages behind it; at the tail, the queue's
+//! consumers take turns with it. If the copy is not confirmed, the original
+//! is rejected with requeue instead: one of the two always stays queued.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
+use lapin::Channel;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::{Consumer, JOB_ID_HEADER};
+use super::{Consumer, Handled, JOB_ID_HEADER, OTHER_KIND_HOLD};
 use crate::broker::rabbitmq::{connect, declare};
 use crate::broker::{SinkError, SinkKind};
 use crate::redact::redact_url;
@@ -52,6 +68,9 @@ pub(super) async fn run(
             let setup = async {
                 declare(&channel, &queue).await?;
                 channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                channel
                     .basic_qos(prefetch, BasicQosOptions::default())
                     .await?;
                 channel
@@ -76,7 +95,7 @@ pub(super) async fn run(
                     "RabbitMQ did not set up the consumer of `{queue}` within {SETUP_DEADLINE:?}"
                 )))),
         };
-        let (conn, _channel, mut deliveries) = match session {
+        let (conn, channel, mut deliveries) = match session {
             Ok(session) => session,
             Err(err) => {
                 let told = |pause: Duration| warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
@@ -118,17 +137,29 @@ pub(super) async fn run(
                     break;
                 }
             };
-            let (consumer, executor, shutdown) =
-                (consumer.clone(), executor.clone(), shutdown.clone());
+            let (consumer, executor, shutdown, channel) = (
+                consumer.clone(),
+                executor.clone(),
+                shutdown.clone(),
+                channel.clone(),
+            );
+            let ack_timeout = consumer.sinks.ack_timeout;
+            let queue_name = queue.clone();
             running.spawn(async move {
                 let id = job_id(delivery.properties.headers());
-                if consumer
-                    .handle_until_done(&executor, id, &shutdown)
-                    .await
-                    .is_some()
-                {
-                    if let Err(err) = delivery.ack(BasicAckOptions::default()).await {
-                        warn!(%err, job_id = id, "RabbitMQ ack failed; the message will be delivered again");
+                match consumer.handle_until_done(&executor, id, &shutdown).await {
+                    None => {}
+                    Some(Handled::OtherKind(_)) => {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => {}
+                            _ = tokio::time::sleep(OTHER_KIND_HOLD) => {}
+                        }
+                        pass_on(&channel, &queue_name, delivery, ack_timeout, id).await;
+                    }
+                    Some(_) => {
+                        if let Err(err) = delivery.ack(BasicAckOptions::default()).await {
+                            warn!(%err, job_id = id, "RabbitMQ ack failed; the message will be delivered again");
+                        }
                     }
                 }
             });
@@ -153,6 +184,49 @@ pub(super) async fn run(
     while running.join_next().await.is_some() {}
     info!(%queue, "RabbitMQ consumer stopped");
     Ok(())
+}
+
+/// Gives a delivery this consumer cannot run back to its queue, at the tail
+/// (see the module doc); never drops it.
+async fn pass_on(
+    channel: &Channel,
+    queue: &str,
+    delivery: Delivery,
+    ack_timeout: Duration,
+    job_id: Option<i64>,
+) {
+    let copy = async {
+        let confirm = channel
+            .basic_publish(
+                queue,
+                queue,
+                BasicPublishOptions::default(),
+                &delivery.data,
+                delivery.properties.clone(),
+            )
+            .await?;
+        confirm.await
+    };
+    let copied = match tokio::time::timeout(ack_timeout, copy).await {
+        Ok(Ok(confirmation)) => confirmation.is_ack(),
+        _ => false,
+    };
+    let given_back = if copied {
+        // Held a while longer with the copy queued: this consumer's prefetch
+        // stays taken, so the copy goes to another consumer of the queue if
+        // one has room, rather than straight back here.
+        tokio::time::sleep(OTHER_KIND_HOLD).await;
+        delivery.ack(BasicAckOptions::default()).await
+    } else {
+        let requeue = BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        };
+        delivery.nack(requeue).await
+    };
+    if let Err(err) = given_back {
+        warn!(%err, job_id, "RabbitMQ ack or reject failed; the message will be delivered again");
+    }
 }
 
 /// How long setting up (or closing) a session may wait on the broker.

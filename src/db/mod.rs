@@ -223,22 +223,7 @@ impl Held {
     pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if self.conn.is_none() {
             let mut conn = PgConnection::connect_with(&self.options).await?;
-            // Set after connecting, not as startup options: poolers such as
-            // PgBouncer refuse those.
-            let ms = self.deadline.as_millis().max(1);
-            let idle = (self.deadline.as_secs() / 3).max(1);
-            sqlx::query(
-                "SELECT set_config('statement_timeout', $1, false), \
-                        set_config('lock_timeout', $1, false), \
-                        set_config('tcp_user_timeout', $1, false), \
-                        set_config('tcp_keepalives_idle', $2, false), \
-                        set_config('tcp_keepalives_interval', $2, false), \
-                        set_config('tcp_keepalives_count', '3', false)",
-            )
-            .bind(ms.to_string())
-            .bind(idle.to_string())
-            .execute(&mut conn)
-            .await?;
+            bound_by(&mut conn, self.deadline).await?;
             self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("connected above"))
@@ -248,6 +233,40 @@ impl Held {
     pub fn discard(&mut self) {
         self.conn = None;
     }
+}
+
+/// Gives a session the server-side limits [`Held`] describes: statements
+/// and lock waits end after `deadline`, and a silent network drops the
+/// connection after it. Set after connecting, not as startup options:
+/// poolers such as PgBouncer refuse those.
+async fn bound_by(conn: &mut PgConnection, deadline: Duration) -> Result<(), sqlx::Error> {
+    let ms = deadline.as_millis().max(1);
+    let idle = (deadline.as_secs() / 3).max(1);
+    sqlx::query(
+        "SELECT set_config('statement_timeout', $1, false), \
+                set_config('lock_timeout', $1, false), \
+                set_config('tcp_user_timeout', $1, false), \
+                set_config('tcp_keepalives_idle', $2, false), \
+                set_config('tcp_keepalives_interval', $2, false), \
+                set_config('tcp_keepalives_count', '3', false)",
+    )
+    .bind(ms.to_string())
+    .bind(idle.to_string())
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A pool of up to `max` connections like `pool`'s (same server, user,
+/// database, application name), each bound by `deadline` as [`Held`]'s is:
+/// for statements whose caller gives up after `deadline` (a broker
+/// consumer's claims), so an abandoned statement rolls back on the server.
+pub fn bounded_pool(pool: &PgPool, deadline: Duration, max: u32) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max.max(1))
+        .acquire_timeout(deadline)
+        .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline)))
+        .connect_lazy_with((*pool.connect_options()).clone())
 }
 
 #[cfg(test)]

@@ -41,6 +41,12 @@ pub struct KindStatusLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindDestinationLabel {
+    pub kind: String,
+    pub destination: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SinkLabel {
     pub sink: String,
 }
@@ -86,6 +92,7 @@ pub struct Metrics {
     pub relay_failed: Family<SinkLabel, Counter>,
     pub scheduler_leader: Gauge,
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
+    pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -225,6 +232,12 @@ impl Metrics {
             "Logical runs this process recorded in the ledger, by outcome",
             schedule_runs.clone(),
         );
+        let consumer_other_kind = Family::<KindDestinationLabel, Counter>::default();
+        registry.register(
+            "consumer_unhandled_kind",
+            "Messages this process's consumers could not run (no handler for the job's kind) and gave back unacknowledged",
+            consumer_other_kind.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             jobs,
@@ -247,6 +260,7 @@ impl Metrics {
             relay_failed,
             scheduler_leader,
             schedule_runs,
+            consumer_other_kind,
         }
     }
 
@@ -324,6 +338,16 @@ impl Metrics {
 
     pub fn record_leadership(&self, leading: bool) {
         self.scheduler_leader.set(i64::from(leading));
+    }
+
+    /// A message of `kind` on `destination` that a consumer had no handler for.
+    pub fn record_unhandled_kind(&self, kind: &str, destination: &str) {
+        self.consumer_other_kind
+            .get_or_create(&KindDestinationLabel {
+                kind: kind.to_string(),
+                destination: destination.to_string(),
+            })
+            .inc();
     }
 
     /// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,

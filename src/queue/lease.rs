@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::PgExecutor;
+use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 
 use super::{Job, JobStatus, QueueError};
@@ -84,17 +84,31 @@ pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec
     Ok(jobs)
 }
 
+/// What a broker consumer's claim of one job found.
+#[derive(Debug)]
+pub enum ClaimById {
+    /// The job is this consumer's to run now, under the returned lease.
+    Claimed(Job),
+    /// The job is due and waits for a consumer, but its kind is not one this
+    /// consumer runs: the message must not be acknowledged (another
+    /// consumer, or this one's operator, has to act).
+    OtherKind(String),
+    /// Someone else claimed it first, it finished, it is not due, or it left
+    /// the broker route: the message is done with (acked and skipped).
+    Skip,
+}
+
 /// Claims one job by id for a broker consumer, through the same fence as
-/// [`claim`]: only a due `ready` job of a handled kind on a `dual` or `broker`
-/// route. `None` means someone else claimed it first, it already finished, or
-/// it is not due yet: the consumer acks the message and skips it.
-pub async fn claim_by_id<'e>(
-    db: impl PgExecutor<'e>,
+/// [`claim`]: only a due `ready` job of a handled kind on a `dual` or
+/// `broker` route. A job that would be claimable but for its kind is told
+/// apart ([`ClaimById::OtherKind`]), never skipped.
+pub async fn claim_by_id(
+    db: &PgPool,
     id: i64,
     kinds: &[String],
     lease: Duration,
-) -> Result<Option<Job>, QueueError> {
-    Ok(sqlx::query_as::<_, Job>(
+) -> Result<ClaimById, QueueError> {
+    let claimed = sqlx::query_as::<_, Job>(
         r#"
         UPDATE almanac.jobs
         SET status = 'running',
@@ -110,7 +124,23 @@ pub async fn claim_by_id<'e>(
     .bind(kinds)
     .bind(millis(lease))
     .fetch_optional(db)
-    .await?)
+    .await?;
+    if let Some(job) = claimed {
+        return Ok(ClaimById::Claimed(job));
+    }
+    // Not claimed: was it only the kind? (A primary-key read, on misses only.)
+    let other: Option<String> = sqlx::query_scalar(
+        r#"
+        SELECT kind FROM almanac.jobs
+        WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind <> ALL($2)
+          AND route IN ('dual', 'broker')
+        "#,
+    )
+    .bind(id)
+    .bind(kinds)
+    .fetch_optional(db)
+    .await?;
+    Ok(other.map_or(ClaimById::Skip, ClaimById::OtherKind))
 }
 
 /// Marks one job done if its lease is still held and unexpired.

@@ -303,3 +303,76 @@ async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPo
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+/// A consumer started for a destination whose routed kinds it cannot all
+/// run says which, at start (and runs the ones it can).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
+    use std::io::{BufRead, BufReader};
+    let url = harness::database_url(&pool);
+    let amqp = amqp_url();
+    let queue = unique("partial");
+    for kind in ["mail", "sms", "push"] {
+        let out = almanac(
+            &url,
+            &[
+                "route",
+                "set",
+                kind,
+                "--mode",
+                "broker",
+                "--sink",
+                "rabbitmq",
+                "--destination",
+                &queue,
+                "--amqp-url",
+                &amqp,
+            ],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let mut consumer = harness::almanac()
+        .args([
+            "consume",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            &queue,
+            "--amqp-url",
+            &amqp,
+            "--handler",
+            "mail=true",
+        ])
+        .env("DATABASE_URL", &url)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let lines = log.clone();
+    let stderr = consumer.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            lines.lock().unwrap().push_str(&line);
+            lines.lock().unwrap().push('\n');
+        }
+    });
+    eventually("the warning at start", Duration::from_secs(30), || async {
+        let log = log.lock().unwrap().clone();
+        if log.contains("have no handler in this consumer") {
+            Ok(())
+        } else {
+            Err(log)
+        }
+    })
+    .await;
+    let said = log.lock().unwrap().clone();
+    let line = said
+        .lines()
+        .find(|l| l.contains("have no handler in this consumer"))
+        .unwrap();
+    assert!(line.contains("push") && line.contains("sms"), "{line}");
+    assert!(!line.contains("kinds=[\"mail\""), "{line}");
+    assert_eq!(stop(consumer), Some(0));
+}

@@ -21,6 +21,7 @@ mod cli;
 mod cli_broker;
 mod compose;
 mod consumer_faults;
+mod consumer_kinds;
 mod exec;
 mod leader;
 mod leader_faults;

@@ -1,0 +1,180 @@
+//! A consumer never drops a job it cannot run (issue #20, item 1), against
+//! the real brokers: kinds `a` and `b` are routed to one destination, a
+//! consumer with only `a` runs first and meets 20 jobs of `b`; it must not
+//! acknowledge them as done, and must say so. Then a consumer with `a` and
+//! `b` starts: every job runs exactly once, within a minute.
+
+use std::time::Duration;
+
+use almanac::consumer::{Consumer, ConsumerConfig};
+use almanac::metrics::{KindDestinationLabel, Metrics};
+use almanac::queue::{self, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::{Publisher, Relay, SinkKind};
+use almanac::role::{Role, Settings};
+use almanac::worker::WorkerConfig;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::harness::brokers::{self, unique};
+use crate::harness::{self, count, eventually};
+
+fn consumer(
+    pool: &PgPool,
+    sink: SinkKind,
+    destination: &str,
+    kinds: &[&str],
+    log: PgPool,
+) -> Consumer {
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.to_string(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: 4,
+            batch_size: 4,
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        }
+        .validated()
+        .unwrap(),
+    };
+    kinds.iter().fold(
+        Consumer::new(pool.clone(), brokers::sinks(), config),
+        |consumer, kind| consumer.register(*kind, harness::logging_handler(log.clone(), 1)),
+    )
+}
+
+async fn jobs(pool: &PgPool, kind: &str, status: &str) -> i64 {
+    count(
+        pool,
+        &format!("SELECT count(*) FROM almanac.jobs WHERE kind = '{kind}' AND status = '{status}'"),
+    )
+    .await
+}
+
+async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKind) {
+    harness::create_exec_log(&pool).await;
+    let log = harness::log_pool(&pool, 4).await;
+    let destination = unique("kinds");
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    for kind in ["a", "b"] {
+        routes::set(
+            &mut conn,
+            kind,
+            RouteMode::Broker,
+            Some(sink),
+            Some(&destination),
+        )
+        .await
+        .unwrap();
+    }
+    for i in 0..25 {
+        let kind = if i < 20 { "b" } else { "a" };
+        queue::enqueue(&mut conn, &NewJob::new(kind)).await.unwrap();
+    }
+    let stop = CancellationToken::new();
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config().validated().unwrap(),
+    );
+    let relay = tokio::spawn(relay.run(stop.clone()));
+
+    let metrics = Metrics::new();
+    let only_a =
+        consumer(&pool, sink, &destination, &["a"], log.clone()).with_metrics(metrics.clone());
+    let only_a = tokio::spawn(only_a.run(stop.clone()));
+    let unhandled = || {
+        metrics
+            .consumer_other_kind
+            .get_or_create(&KindDestinationLabel {
+                kind: "b".into(),
+                destination: destination.clone(),
+            })
+            .get()
+    };
+    // RabbitMQ gives every `b` message back to the queue, where the
+    // `a`-only consumer meets each again; Kafka's consumer steps out of the
+    // group at the first. Either way: counted, and none acknowledged as run.
+    let seen = if sink == SinkKind::Rabbitmq { 20 } else { 1 };
+    eventually(
+        "the a-only consumer meets the b jobs",
+        Duration::from_secs(60),
+        || async { unhandled() >= seen },
+    )
+    .await;
+    assert_eq!(
+        jobs(&pool, "b", "ready").await,
+        20,
+        "a b job left the ready state"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE kind = 'b' AND attempts > 0"
+        )
+        .await,
+        0,
+        "a b job used an attempt in a consumer that cannot run it"
+    );
+
+    // The newcomer runs both kinds, as in a rolling deploy that adds `b`:
+    // RabbitMQ's `a`-only consumer puts each `b` message back at the tail of
+    // the queue, where the newcomer takes it; Kafka's steps out of the group
+    // and the newcomer takes its partitions.
+    let with_b = consumer(&pool, sink, &destination, &["a", "b"], log.clone());
+    let with_b = tokio::spawn(with_b.run(stop.clone()));
+    eventually(
+        "every job done once a b consumer runs",
+        Duration::from_secs(60),
+        || async {
+            let states: Vec<(String, String, i64)> = sqlx::query_as(
+                "SELECT kind, status, count(*) FROM almanac.jobs GROUP BY 1, 2 ORDER BY 1, 2",
+            )
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            let done = |kind: &str| {
+                states.iter().any(|s| {
+                    s.0 == kind && s.1 == "done" && s.2 == if kind == "a" { 5 } else { 20 }
+                })
+            };
+            if done("a") && done("b") {
+                Ok(())
+            } else {
+                Err(format!("{states:?}"))
+            }
+        },
+    )
+    .await;
+    stop.cancel();
+    for consumer in [only_a, with_b] {
+        consumer.await.unwrap().unwrap();
+    }
+    relay.await.unwrap().unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM exec_log").await,
+        25,
+        "a job ran twice"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        25
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool) {
+    a_consumer_never_drops_a_kind_it_cannot_run(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool) {
+    a_consumer_never_drops_a_kind_it_cannot_run(pool, SinkKind::Rabbitmq).await;
+}
