@@ -223,7 +223,7 @@ impl Consumer {
             .await
             .map_err(|_| ClaimError::TimedOut(within))??;
         let job = match claimed {
-            ClaimById::Claimed(job) => job,
+            ClaimById::Claimed(job) => *job,
             ClaimById::Skip => {
                 self.counters.skipped.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(Handled::Skipped));

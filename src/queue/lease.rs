@@ -88,7 +88,7 @@ pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec
 #[derive(Debug)]
 pub enum ClaimById {
     /// The job is this consumer's to run now, under the returned lease.
-    Claimed(Job),
+    Claimed(Box<Job>),
     /// The job is due and waits for a consumer, but its kind is not one this
     /// consumer runs: the message must not be acknowledged (another
     /// consumer, or this one's operator, has to act).
@@ -126,7 +126,7 @@ pub async fn claim_by_id(
     .fetch_optional(db)
     .await?;
     if let Some(job) = claimed {
-        return Ok(ClaimById::Claimed(job));
+        return Ok(ClaimById::Claimed(Box::new(job)));
     }
     // Not claimed: was it only the kind? (A primary-key read, on misses only.)
     let other: Option<String> = sqlx::query_scalar(
