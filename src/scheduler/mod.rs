@@ -34,6 +34,7 @@
 pub mod backfill;
 pub mod controls;
 pub mod cron;
+pub mod deadline;
 pub mod history;
 pub mod leader;
 pub mod ledger;
