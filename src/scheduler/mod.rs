@@ -325,6 +325,7 @@ impl Scheduler {
                     }
                 }
             }
+            self.metrics.record_tick(now);
             let next = ticker.next_wake();
             if next.is_none() && !idle_said {
                 idle_said = true;
