@@ -187,6 +187,75 @@ async fn every_metric_the_rules_use_is_exposed_by_a_running_almanac(pool: PgPool
     assert!((now - tick).abs() < 30.0, "tick {tick}, now {now}");
 }
 
+/// A leader whose ticker stalls while its lock session and process stay
+/// alive shows it: its tick gauge ages while it still reports leading (what
+/// `AlmanacSchedulerTickStale` fires on), and it ticks again once unstuck.
+/// The stall: its tick blocks on the ledger, locked by this test (within the
+/// leader timeout, so the lock is kept).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_leader_whose_ticker_stalls_shows_an_ageing_tick_while_it_still_leads(pool: PgPool) {
+    let dir = scratch("stall");
+    std::fs::write(
+        dir.join("s.toml"),
+        "[every-second]\ncron = \"* * * * * *\"\n",
+    )
+    .unwrap();
+    let addr = free_addr();
+    let mut cmd = almanac();
+    cmd.args(["run", "--roles", "scheduler,metrics", "--schedules"])
+        .arg(&dir)
+        .args(["--leader-timeout", "60s", "--http-addr", &addr])
+        .env("DATABASE_URL", harness::database_url(&pool))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut proc = KillOnDrop(cmd.spawn().unwrap());
+    // Seconds between the database's now and the leader's last tick, while it leads.
+    let tick_age = |pool: PgPool, addr: String| async move {
+        let body = metrics(&addr).await;
+        let leader = sample(&body, "almanac_scheduler_leader", &[]);
+        let tick = sample(&body, "almanac_scheduler_last_tick_timestamp_seconds", &[]);
+        let now = db_now(&pool).await.timestamp_millis() as f64 / 1000.0;
+        match (leader, tick) {
+            (Some(l), Some(t)) if l == 1.0 && t > 0.0 => Some(now - t),
+            _ => None,
+        }
+    };
+    eventually("the leader to tick", Duration::from_secs(30), || async {
+        tick_age(pool.clone(), addr.clone())
+            .await
+            .is_some_and(|age| age < 2.0)
+    })
+    .await;
+    let mut stall = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE almanac.schedule_runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *stall)
+        .await
+        .unwrap();
+    eventually(
+        "the stalled leader's tick to age past 4 s while it still leads",
+        Duration::from_secs(30),
+        || async {
+            match tick_age(pool.clone(), addr.clone()).await {
+                Some(age) if age > 4.0 => Ok(()),
+                other => Err(format!("tick age {other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(proc.0.try_wait().unwrap().is_none(), "the process is alive");
+    stall.rollback().await.unwrap();
+    eventually(
+        "the leader to tick again once unstuck",
+        Duration::from_secs(30),
+        || async {
+            tick_age(pool.clone(), addr.clone())
+                .await
+                .is_some_and(|age| age < 2.0)
+        },
+    )
+    .await;
+}
+
 /// The run of `schedule` that fires at `fire` (a daily schedule's logical
 /// run is its UTC date here).
 fn daily_at(name: &str, fire: DateTime<Utc>, deadline: &str) -> String {
