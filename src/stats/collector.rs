@@ -148,9 +148,7 @@ impl Collector {
                 .set(row.map_or(0.0, |b| b.failed as f64));
         }
     }
-}
 
-impl Collector {
     /// Sets one schedule's alerting gauges from its figures (`reported`:
     /// read this time, rather than gone and zeroed).
     fn publish_runs(&self, name: &str, f: &RunFigures, reported: bool) {
