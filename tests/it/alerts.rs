@@ -460,6 +460,37 @@ async fn the_figures_count_overdue_missing_and_skipped_runs_and_missing_equals_g
         .unwrap()
         .unwrap();
     assert_eq!(synced.deadline.as_deref(), Some("30m"));
+    // A changed deadline is synced like any change of the definition; the
+    // same definition synced again writes nothing.
+    let stored = |pool: PgPool| async move {
+        sqlx::query_as::<_, (Option<String>, DateTime<Utc>)>(
+            "SELECT deadline, updated_at FROM almanac.schedules WHERE name = 'hourly'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = stored(pool.clone()).await;
+    ledger::sync_at(&mut conn, &[hourly("30m")], true, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        stored(pool.clone()).await,
+        before,
+        "unchanged: not rewritten"
+    );
+    for (deadline, want) in [(Some("06:00"), Some("06:00")), (None, None)] {
+        let mut changed = hourly("30m");
+        changed.deadline = deadline
+            .map(|d| almanac::scheduler::deadline::Deadline::parse(d, chrono_tz::UTC).unwrap());
+        ledger::sync_at(&mut conn, &[changed], true, None)
+            .await
+            .unwrap();
+        assert_eq!(stored(pool.clone()).await.0.as_deref(), want);
+    }
+    ledger::sync_at(&mut conn, std::slice::from_ref(&schedule), true, None)
+        .await
+        .unwrap();
     let schedule = synced.schedule().unwrap();
     let now = t("2026-03-02T16:10:00Z");
     // 10:00 done, 11:00 dead, 12:00 missing, 13:00 running, 14:00 skipped
