@@ -322,6 +322,7 @@ CREATE TABLE almanac.schedules (
     definition_hash text NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    deadline text,
     CONSTRAINT schedules_catchup_check CHECK ((catchup = ANY (ARRAY['all'::text, 'latest'::text, 'none'::text]))),
     CONSTRAINT schedules_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text])))

@@ -59,3 +59,14 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     apt-get install -y chromium chromium-driver
   fi
 fi
+
+# promtool, for the alert rules' tests (tests/it/alerts.rs), from Debian's
+# `prometheus` package (only its files are needed; no server is started).
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "services: installing prometheus (for promtool)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; then
+    apt-get update -q
+    apt-get install -y --no-install-recommends prometheus
+  fi
+fi

@@ -294,6 +294,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                             "name": s.name, "cron": s.timeline.cron().source(), "timezone": s.timeline.tz().name(),
                             "enabled": s.enabled, "next_fire_at": next, "last_emitted": last, "lag_seconds": lag.unwrap_or(0),
                             "synced": cursor.is_some(),
+                            "deadline": s.deadline.as_ref().map(|d| d.to_string()),
                             "paused": pause.map(|p| serde_json::json!({
                                 "since": utc(p.since), "by": p.by, "note": p.note,
                             })),

@@ -1,6 +1,7 @@
 //! `almanac stats [--json]`: the figures `/metrics` exports from the
 //! database, for a person: jobs by kind and status, the oldest due job per
-//! kind, expired leases, the outbox per sink, and who leads the scheduler.
+//! kind, expired leases, the outbox per sink, who leads the scheduler, and
+//! per schedule its deadline, overdue and missing runs, lag and last success.
 
 use super::Ctx;
 use crate::stats::Snapshot;
@@ -56,6 +57,41 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             sink.oldest_unpublished_seconds,
             sink.failed
         );
+    }
+    if !s.schedules.is_empty() {
+        println!();
+        println!(
+            "{:<24} {:>8} {:>7} {:>7} {:>9}  {:<20}  SKIPPED",
+            "SCHEDULE", "DEADLINE", "OVERDUE", "MISSING", "LAG", "LAST SUCCESS (FIRE)"
+        );
+        for sched in &s.schedules {
+            let f = &sched.runs;
+            let skipped: Vec<String> = f
+                .skipped
+                .iter()
+                .map(|(reason, n)| format!("{reason} {n}"))
+                .collect();
+            println!(
+                "{:<24} {:>8} {:>7} {:>7} {:>8.0}s  {:<20}  {}",
+                sched.name,
+                sched.deadline.as_deref().unwrap_or("-"),
+                f.overdue,
+                f.missing,
+                sched.lag_seconds,
+                f.last_success.map_or("-".to_string(), |t| t
+                    .format("%Y-%m-%dT%H:%M:%SZ")
+                    .to_string()),
+                if skipped.is_empty() {
+                    "-".to_string()
+                } else {
+                    skipped.join(", ")
+                }
+            );
+        }
+        println!(
+            "(overdue, missing, last success and skipped: over each schedule's calendar window)"
+        );
+        println!();
     }
     match &s.leader {
         Some(l) => println!(

@@ -14,7 +14,7 @@
 //!   functions below, one per outcome. They count what *this* process did, so
 //!   sum them across processes.
 //! - **Database figures** (`almanac_jobs`, oldest due ready age, expired leases,
-//!   outbox backlog, schedule lag): set by the [`crate::stats::Collector`] role from a few
+//!   outbox backlog, schedule lag, overdue and missing runs): set by the [`crate::stats::Collector`] role from a few
 //!   cheap queries on the partial indexes, at most every few seconds, never
 //!   one query per scrape. A label that disappears from the database (a kind
 //!   with no ready jobs left) is set to 0, not left at its last value.
@@ -57,6 +57,12 @@ pub struct ScheduleLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScheduleReasonLabel {
+    pub schedule: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ScheduleOutcomeLabel {
     pub schedule: String,
     pub outcome: String,
@@ -79,6 +85,11 @@ pub struct Metrics {
     pub outbox_failed: Gauges<SinkLabel>,
     pub schedule_lag: Gauges<ScheduleLabel>,
     pub schedule_last_run: Gauges<ScheduleLabel>,
+    pub schedule_overdue: Gauges<ScheduleLabel>,
+    pub schedule_missing: Gauges<ScheduleLabel>,
+    pub schedule_last_success: Gauges<ScheduleLabel>,
+    pub schedule_success_late: Gauges<ScheduleLabel>,
+    pub schedule_skipped: Gauges<ScheduleReasonLabel>,
     // From the process.
     pub completed: Family<KindLabel, Counter>,
     pub retried: Family<KindLabel, Counter>,
@@ -91,6 +102,7 @@ pub struct Metrics {
     pub relay_published: Family<SinkLabel, Counter>,
     pub relay_failed: Family<SinkLabel, Counter>,
     pub scheduler_leader: Gauge,
+    pub scheduler_last_tick: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
 }
@@ -160,6 +172,36 @@ impl Metrics {
             "Fire time (Unix seconds) of the latest run in the ledger per schedule",
             schedule_last_run.clone(),
         );
+        let schedule_overdue = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_overdue_runs",
+            "Emitted runs in the calendar window whose deadline has passed and whose job is not done (a dead job counts)",
+            schedule_overdue.clone(),
+        );
+        let schedule_missing = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_missing_runs",
+            "Runs in the calendar window missing from the ledger: what `almanac gaps` reports over it",
+            schedule_missing.clone(),
+        );
+        let schedule_last_success = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_last_success_timestamp_seconds",
+            "Fire time (Unix seconds) of the latest run in the calendar window whose job is done; 0 when none",
+            schedule_last_success.clone(),
+        );
+        let schedule_success_late = Gauges::<ScheduleLabel>::default();
+        registry.register(
+            "schedule_success_late_seconds",
+            "Seconds since the deadline of the latest run expected to have succeeded, while no run since has; 0 otherwise or without a deadline",
+            schedule_success_late.clone(),
+        );
+        let schedule_skipped = Gauges::<ScheduleReasonLabel>::default();
+        registry.register(
+            "schedule_skipped_runs",
+            "Runs in the calendar window recorded skipped, by reason (catchup, overlap, disabled, paused)",
+            schedule_skipped.clone(),
+        );
         let completed = Family::<KindLabel, Counter>::default();
         registry.register(
             "jobs_completed",
@@ -226,6 +268,12 @@ impl Metrics {
             "1 while this process leads the scheduler, else 0",
             scheduler_leader.clone(),
         );
+        let scheduler_last_tick = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "scheduler_last_tick_timestamp_seconds",
+            "Database time (Unix seconds) of this process's latest completed scheduler tick while leading; 0 before its first",
+            scheduler_last_tick.clone(),
+        );
         let schedule_runs = Family::<ScheduleOutcomeLabel, Counter>::default();
         registry.register(
             "schedule_runs",
@@ -248,6 +296,11 @@ impl Metrics {
             outbox_failed,
             schedule_lag,
             schedule_last_run,
+            schedule_overdue,
+            schedule_missing,
+            schedule_last_success,
+            schedule_success_late,
+            schedule_skipped,
             completed,
             retried,
             dead,
@@ -259,6 +312,7 @@ impl Metrics {
             relay_published,
             relay_failed,
             scheduler_leader,
+            scheduler_last_tick,
             schedule_runs,
             consumer_other_kind,
         }
@@ -348,6 +402,14 @@ impl Metrics {
                 destination: destination.to_string(),
             })
             .inc();
+    }
+
+    /// The leader completed a tick planned at database time `at`: the
+    /// liveness an alert reads (a leader whose ticker stalls while its lock
+    /// session and process live shows an ever older value).
+    pub fn record_tick(&self, at: chrono::DateTime<chrono::Utc>) {
+        self.scheduler_last_tick
+            .set(at.timestamp_millis() as f64 / 1000.0);
     }
 
     /// Ledger rows written for `schedule` with `outcome` (emitted, skipped_catchup,

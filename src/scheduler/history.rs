@@ -14,6 +14,7 @@ use sqlx::PgConnection;
 
 use super::backfill::{self, BackfillError, Expected, Unrecorded};
 use super::cron::CronExpr;
+use super::deadline::Deadline;
 use super::ledger::LedgerError;
 use super::plan;
 use super::spec::{Catchup, Overlap, Schedule};
@@ -34,13 +35,15 @@ pub struct Synced {
     pub overlap: String,
     pub max_attempts: i32,
     pub enabled: bool,
+    /// `2h` or `06:00`, as [`super::deadline::Deadline`] writes it.
+    pub deadline: Option<String>,
     /// The schedule's first sync.
     pub created_at: DateTime<Utc>,
 }
 
 const SYNCED_SQL: &str = "SELECT name, cron, timezone, kind, payload, catchup, \
     extract(epoch FROM catchup_window)::float8 AS catchup_window_seconds, start, overlap, \
-    max_attempts, enabled, created_at FROM almanac.schedules";
+    max_attempts, enabled, deadline, created_at FROM almanac.schedules";
 
 /// Every synced schedule, enabled or not, by name.
 pub async fn synced(conn: &mut PgConnection) -> Result<Vec<Synced>, LedgerError> {
@@ -87,6 +90,11 @@ impl Synced {
             .timezone
             .parse()
             .map_err(|_| format!("unknown time zone `{}`", self.timezone))?;
+        let deadline = self
+            .deadline
+            .as_deref()
+            .map(|d| Deadline::parse(d, tz))
+            .transpose()?;
         Ok(Schedule {
             name: self.name.clone(),
             timeline: Timeline::new(cron, tz),
@@ -105,6 +113,7 @@ impl Synced {
             },
             max_attempts: self.max_attempts,
             enabled: self.enabled,
+            deadline,
             origin: "the database".into(),
         })
     }
@@ -297,6 +306,7 @@ mod tests {
             overlap: "skip".into(),
             max_attempts: 3,
             enabled: true,
+            deadline: None,
             created_at: Utc::now(),
         }
         .schedule()

@@ -88,17 +88,19 @@ pub async fn sync_at(
         r#"
         INSERT INTO almanac.schedules AS s
             (name, cron, timezone, kind, payload, catchup, catchup_window, start, overlap,
-             max_attempts, enabled, definition_hash)
+             max_attempts, enabled, deadline, definition_hash)
         SELECT d->>'name', d->>'cron', d->>'timezone', d->>'kind', d->'payload', d->>'catchup',
                (d->>'catchup_window')::interval, (d->>'start')::date, d->>'overlap',
-               (d->>'max_attempts')::int, (d->>'enabled')::boolean, md5((d - 'name')::text)
+               (d->>'max_attempts')::int, (d->>'enabled')::boolean, d->>'deadline',
+               md5((d - 'name')::text)
         FROM unnest($1::jsonb[]) AS d
         ON CONFLICT (name) DO UPDATE SET
             cron = excluded.cron, timezone = excluded.timezone, kind = excluded.kind,
             payload = excluded.payload, catchup = excluded.catchup,
             catchup_window = excluded.catchup_window, start = excluded.start,
             overlap = excluded.overlap, max_attempts = excluded.max_attempts,
-            enabled = excluded.enabled, definition_hash = excluded.definition_hash,
+            enabled = excluded.enabled, deadline = excluded.deadline,
+            definition_hash = excluded.definition_hash,
             updated_at = now()
         WHERE s.definition_hash IS DISTINCT FROM excluded.definition_hash
         "#,

@@ -34,6 +34,7 @@
 pub mod backfill;
 pub mod controls;
 pub mod cron;
+pub mod deadline;
 pub mod history;
 pub mod leader;
 pub mod ledger;
@@ -355,6 +356,12 @@ impl Scheduler {
                         return Ended::Lost;
                     }
                 }
+            }
+            // The tick gauge says up to when every due run is recorded: a tick
+            // that had to defer a schedule (a busy kind, a step that timed
+            // out) leaves it where it was, so a ticker stuck that way ages it.
+            if !ticker.deferring() {
+                self.metrics.record_tick(now);
             }
             let next = ticker.next_wake();
             if next.is_none() && !idle_said {

@@ -17,6 +17,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::cron::CronExpr;
+use super::deadline::Deadline;
 use super::timeline::{Run, Timeline};
 use crate::config::{line_col, HumanDuration};
 
@@ -68,14 +69,19 @@ pub struct Schedule {
     pub overlap: Overlap,
     pub max_attempts: i32,
     pub enabled: bool,
+    /// By when each run should have succeeded (see [`super::deadline`]).
+    pub deadline: Option<Deadline>,
     /// `file:line` of its table, for messages.
     pub origin: String,
 }
 
 impl Schedule {
     /// The definition as stored in `almanac.schedules` (and hashed there).
+    ///
+    /// A schedule without a deadline has no `deadline` key, so the hashes of
+    /// definitions synced before deadlines existed stay as they were.
     pub fn definition(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut d = serde_json::json!({
             "cron": self.timeline.cron().source(),
             "timezone": self.timeline.tz().name(),
             "kind": self.kind,
@@ -86,7 +92,17 @@ impl Schedule {
             "overlap": self.overlap.as_str(),
             "max_attempts": self.max_attempts,
             "enabled": self.enabled,
-        })
+        });
+        if let Some(deadline) = &self.deadline {
+            d["deadline"] = deadline.to_string().into();
+        }
+        d
+    }
+
+    /// When the run firing at `fire_at` should have succeeded by, if the
+    /// schedule has a deadline.
+    pub fn deadline_of(&self, fire_at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.deadline.as_ref().map(|d| d.due(fire_at))
     }
 
     /// The job idempotency key of one logical run.
@@ -154,6 +170,7 @@ struct RawSchedule {
     overlap: Option<Spanned<String>>,
     max_attempts: Option<Spanned<i64>>,
     enabled: Option<bool>,
+    deadline: Option<Spanned<String>>,
 }
 
 /// One problem, where it is.
@@ -427,6 +444,10 @@ fn validate(
                 )
             })?,
     };
+    let deadline = match &raw.deadline {
+        None => None,
+        Some(text) => Some(Deadline::parse(text.get_ref(), tz).map_err(|e| fail(text.span(), e))?),
+    };
     Ok(Schedule {
         name: name.to_string(),
         timeline: Timeline::new(cron, tz),
@@ -438,6 +459,7 @@ fn validate(
         overlap,
         max_attempts,
         enabled: raw.enabled.unwrap_or(true),
+        deadline,
         origin: String::new(),
     })
 }
@@ -467,10 +489,12 @@ catchup_window = "7d"
 start = "2026-01-01"
 overlap = "skip"
 max_attempts = 3
+deadline = "06:00"
 
 [hourly]
 cron = "@hourly"
 start = 2026-02-01
+deadline = "45m"
 "#;
         let all = load(&[("schedules/a.toml", text)]).unwrap();
         assert_eq!(all.len(), 2);
@@ -499,6 +523,21 @@ start = 2026-02-01
         );
         assert_eq!(hourly.start, NaiveDate::from_ymd_opt(2026, 2, 1));
         assert_eq!(hourly.catchup_window, DEFAULT_CATCHUP_WINDOW);
+        // 02:00 KST fires at 17:00Z; its 06:00 KST deadline is 21:00Z.
+        let fire: DateTime<Utc> = "2026-03-01T17:00:00Z".parse().unwrap();
+        assert_eq!(
+            daily.deadline_of(fire).unwrap().to_rfc3339(),
+            "2026-03-01T21:00:00+00:00"
+        );
+        assert_eq!(daily.definition()["deadline"], "06:00");
+        assert_eq!(hourly.definition()["deadline"], "45m");
+    }
+
+    #[test]
+    fn a_schedule_without_a_deadline_keeps_the_definition_it_had_before_deadlines() {
+        let all = load(&[("s/a.toml", "[x]\ncron = \"@daily\"\n")]).unwrap();
+        assert!(all[0].deadline.is_none());
+        assert!(all[0].definition().get("deadline").is_none());
     }
 
     #[test]
@@ -522,10 +561,14 @@ start = "2026-13-01"
 [e]
 cron = "0 1 * * *"
 retries = 3
+
+[f]
+cron = "0 1 * * *"
+deadline = "by noon"
 "#;
         let err = load(&[("s/1.toml", good), ("s/2.toml", bad)]).unwrap_err();
         // Unknown keys fail the file's parse before anything else is checked.
-        assert_eq!(err, "s/2.toml:18: unknown field `retries`, expected one of `cron`, `timezone`, `kind`, `payload`, `catchup`, `catchup_window`, `start`, `overlap`, `max_attempts`, `enabled`\nschedules rejected: 1 problem; nothing from them was applied");
+        assert_eq!(err, "s/2.toml:18: unknown field `retries`, expected one of `cron`, `timezone`, `kind`, `payload`, `catchup`, `catchup_window`, `start`, `overlap`, `max_attempts`, `enabled`, `deadline`\nschedules rejected: 1 problem; nothing from them was applied");
 
         let bad = bad.replace("retries = 3", "");
         let err = load(&[("s/2.toml", &bad)]).unwrap_err();
@@ -535,7 +578,8 @@ retries = 3
             "s/2.toml:6: schedule `b`: unknown time zone `Mars/Olympus`; use an IANA name such as Asia/Seoul or UTC",
             "s/2.toml:10: schedule `c`: catchup_window: `a week` is not a duration; write a number with a unit: 500ms, 30s, 5m, 2h, 7d (or 1h30m)",
             "s/2.toml:14: schedule `d`: start `2026-13-01` is not a date; write YYYY-MM-DD",
-            "schedules rejected: 4 problems; nothing from them was applied",
+            "s/2.toml:22: schedule `f`: deadline `by noon` is neither a duration (30m, 2h, 1d) nor a local time of day (06:00)",
+            "schedules rejected: 5 problems; nothing from them was applied",
         ]);
     }
 

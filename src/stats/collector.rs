@@ -2,7 +2,12 @@
 //! the database gauges of the [`Metrics`] it was handed from it, so a scrape never runs a query and a hundred
 //! scrapers cost the database nothing more. A kind or sink seen once keeps
 //! its series: when it empties, its gauges drop to 0 rather than freezing at
-//! their last value.
+//! their last value. So does a schedule that stops being reported (disabled
+//! or removed): its lag, overdue, missing, late and skipped figures drop to 0,
+//! so no alert stays firing on a schedule that no longer runs.
+//!
+//! An overdue run shows at the first refresh after its deadline (within one
+//! `interval`), and clears at the first refresh after its job is `done`.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -12,7 +17,10 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::snapshot::Snapshot;
-use crate::metrics::{KindLabel, KindStatusLabel, Metrics, ScheduleLabel, SinkLabel};
+use super::snapshot::{RunFigures, SKIP_REASONS};
+use crate::metrics::{
+    KindLabel, KindStatusLabel, Metrics, ScheduleLabel, ScheduleReasonLabel, SinkLabel,
+};
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
@@ -50,6 +58,7 @@ pub struct Collector {
 struct Seen {
     kinds: BTreeSet<String>,
     sinks: BTreeSet<String>,
+    schedules: BTreeSet<String>,
 }
 
 impl Collector {
@@ -83,7 +92,19 @@ impl Collector {
                     .get_or_create(&label)
                     .set(last.timestamp_millis() as f64 / 1000.0);
             }
+            self.publish_runs(&schedule.name, &schedule.runs, true);
         }
+        let reported: BTreeSet<&String> = s.schedules.iter().map(|s| &s.name).collect();
+        for gone in seen.schedules.iter().filter(|n| !reported.contains(n)) {
+            m.schedule_lag
+                .get_or_create(&ScheduleLabel {
+                    schedule: gone.clone(),
+                })
+                .set(0.0);
+            self.publish_runs(gone, &RunFigures::default(), false);
+        }
+        seen.schedules
+            .extend(s.schedules.iter().map(|s| s.name.clone()));
         seen.kinds
             .extend(s.jobs.by_kind_status.iter().map(|c| c.kind.clone()));
         for kind in &seen.kinds {
@@ -125,6 +146,39 @@ impl Collector {
             m.outbox_failed
                 .get_or_create(&label)
                 .set(row.map_or(0.0, |b| b.failed as f64));
+        }
+    }
+
+    /// Sets one schedule's alerting gauges from its figures (`reported`:
+    /// read this time, rather than gone and zeroed).
+    fn publish_runs(&self, name: &str, f: &RunFigures, reported: bool) {
+        let m = &self.metrics;
+        let label = ScheduleLabel {
+            schedule: name.to_string(),
+        };
+        m.schedule_overdue
+            .get_or_create(&label)
+            .set(f.overdue as f64);
+        m.schedule_missing
+            .get_or_create(&label)
+            .set(f.missing as f64);
+        // A timestamp, not a count: a schedule no longer reported keeps its last one.
+        if reported {
+            m.schedule_last_success.get_or_create(&label).set(
+                f.last_success
+                    .map_or(0.0, |t| t.timestamp_millis() as f64 / 1000.0),
+            );
+        }
+        m.schedule_success_late
+            .get_or_create(&label)
+            .set(f.success_late_seconds);
+        for reason in SKIP_REASONS {
+            m.schedule_skipped
+                .get_or_create(&ScheduleReasonLabel {
+                    schedule: name.to_string(),
+                    reason: reason.to_string(),
+                })
+                .set(f.skipped.get(reason).copied().unwrap_or(0) as f64);
         }
     }
 }

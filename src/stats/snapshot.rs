@@ -2,6 +2,33 @@
 //! outbox and who leads the scheduler. The collector turns it into gauges;
 //! `almanac stats` prints it for a person. Every query is bounded by what is
 //! unfinished (partial indexes), never by the history of done jobs.
+//!
+//! **Per schedule**, what an alert needs is read from the schedule's run
+//! calendar ([`history::calendar_at`], the dashboard's), so it is bounded by
+//! the calendar's window and by nothing else: the last
+//! [`history::CALENDAR_DAYS`] days of a daily schedule, the last
+//! [`history::CALENDAR_RUNS`] runs of a sub-daily
+//! one. That is one `(schedule, fire_at)` index range of the ledger, the
+//! window's jobs by primary key, and the few probes of the missing rule, per
+//! enabled schedule. From it, [`RunFigures`]:
+//!
+//! - **overdue**: emitted runs whose deadline has passed and whose job is not
+//!   `done` (`ready`, `running` or `dead`); a retry that succeeds clears it.
+//!   A run whose job the janitor deleted is not counted.
+//! - **missing**: the calendar's missing cells, which are by construction
+//!   what `almanac gaps` reports over the same window at the same instant
+//!   (one rule, [`crate::scheduler::backfill::Expected::unrecorded`]).
+//! - **last success**: the fire time of the latest run in the window whose
+//!   job is `done`.
+//! - **success late**: with a deadline, how long ago the deadline of the
+//!   latest run that should have succeeded by now passed, while neither it
+//!   nor any later run has succeeded: it also sees runs skipped for overlap or
+//!   catch-up and missing runs, which are never overdue. Runs skipped while
+//!   the schedule was paused or disabled are not expected to succeed.
+//! - **skipped**: ledger rows per reason (`catchup`, `overlap`, `disabled`,
+//!   `paused`).
+
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, NaiveDate, Utc};
 use serde::Serialize;
@@ -9,10 +36,13 @@ use sqlx::PgConnection;
 
 use crate::queue::{self, QueueError, Stats};
 use crate::relay::outbox::{self, SinkOutboxStats};
+use crate::scheduler::backfill::BackfillError;
 use crate::scheduler::cron::CronExpr;
+use crate::scheduler::history::{self, Cell, CellState};
 use crate::scheduler::leader::LEADER_LOCK_KEY;
+use crate::scheduler::ledger::LedgerError;
 use crate::scheduler::plan::Cursor;
-use crate::scheduler::spec::next_admitted;
+use crate::scheduler::spec::{next_admitted, Schedule};
 use crate::scheduler::timeline::Timeline;
 
 #[derive(Debug, Clone, Serialize)]
@@ -33,6 +63,71 @@ pub struct ScheduleState {
     /// Now minus the fire time of the oldest due run the scheduler has not
     /// planned yet (the first run after its cursor); 0 when none is due.
     pub lag_seconds: f64,
+    /// `2h` or `06:00`; none when the schedule has no deadline.
+    pub deadline: Option<String>,
+    /// Over the calendar window (see the module doc).
+    #[serde(flatten)]
+    pub runs: RunFigures,
+}
+
+/// What a schedule's calendar window says for alerting (the module doc
+/// defines each figure).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RunFigures {
+    pub overdue: u64,
+    pub missing: u64,
+    pub last_success: Option<DateTime<Utc>>,
+    pub success_late_seconds: f64,
+    /// Reason (`catchup`, `overlap`, `disabled`, `paused`) → runs.
+    pub skipped: BTreeMap<String, u64>,
+}
+
+/// The reasons a run is recorded skipped for, as [`RunFigures::skipped`]
+/// names them.
+pub const SKIP_REASONS: [&str; 4] = ["catchup", "overlap", "disabled", "paused"];
+
+impl RunFigures {
+    /// The figures of `cells` (a calendar of `schedule`, oldest first) at
+    /// the instant `now`.
+    pub fn of(schedule: &Schedule, cells: &[Cell], now: DateTime<Utc>) -> RunFigures {
+        let mut f = RunFigures::default();
+        let passed = |cell: &Cell| {
+            schedule
+                .deadline_of(cell.run.fire_at)
+                .filter(|due| *due <= now)
+        };
+        // The latest run whose deadline passed and that was expected to succeed.
+        let mut expected: Option<(&Cell, DateTime<Utc>)> = None;
+        for cell in cells {
+            match &cell.state {
+                CellState::Emitted { .. } | CellState::Failed { .. } => {
+                    f.overdue += u64::from(passed(cell).is_some());
+                }
+                CellState::Done { .. } => f.last_success = Some(cell.run.fire_at),
+                CellState::Missing => f.missing += 1,
+                CellState::Skipped { reason } => {
+                    *f.skipped.entry(reason.clone()).or_default() += 1;
+                }
+                _ => {}
+            }
+            let counts = match &cell.state {
+                CellState::BeforeHistory | CellState::Disabled | CellState::Due => false,
+                CellState::Skipped { reason } => reason != "paused" && reason != "disabled",
+                _ => true,
+            };
+            if let Some(due) = passed(cell).filter(|_| counts) {
+                expected = Some((cell, due));
+            }
+        }
+        if let Some((cell, due)) = expected {
+            let succeeded = cell.state == CellState::JobDeleted
+                || f.last_success.is_some_and(|s| s >= cell.run.fire_at);
+            if !succeeded {
+                f.success_late_seconds = (now - due).num_milliseconds() as f64 / 1000.0;
+            }
+        }
+        f
+    }
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -102,21 +197,50 @@ pub async fn schedules(conn: &mut PgConnection) -> Result<Vec<ScheduleState>, sq
         crate::scheduler::ledger::cursor_sql!(),
         ", now() FROM almanac.schedules s WHERE s.enabled ORDER BY s.name"
     ))
-    .fetch_all(conn)
+    .fetch_all(&mut *conn)
     .await?;
-    Ok(rows
+    let mut synced: HashMap<String, Schedule> = history::synced(&mut *conn)
+        .await
+        .map_err(|e| database(e.into()))?
         .into_iter()
-        .map(
-            |(name, cron, tz, start, first_seen, last_run, cursor, now)| {
-                let lag_seconds = lag(&cron, &tz, start, first_seen, cursor, now).unwrap_or(0.0);
-                ScheduleState {
-                    name,
-                    last_run,
-                    lag_seconds,
-                }
-            },
-        )
-        .collect())
+        .filter(|s| s.enabled)
+        .filter_map(|s| Some((s.name.clone(), s.schedule().ok()?)))
+        .collect();
+    let mut out = Vec::with_capacity(rows.len());
+    for (name, cron, tz, start, first_seen, last_run, cursor, now) in rows {
+        let lag_seconds = lag(&cron, &tz, start, first_seen, cursor, now).unwrap_or(0.0);
+        // A row edited by hand into something unparsable has no figures.
+        let (deadline, runs) = match synced.remove(&name) {
+            Some(schedule) => {
+                let calendar = history::calendar_at(&mut *conn, &schedule, now)
+                    .await
+                    .map_err(database)?;
+                (
+                    schedule.deadline.as_ref().map(|d| d.to_string()),
+                    RunFigures::of(&schedule, &calendar.cells, now),
+                )
+            }
+            None => (None, RunFigures::default()),
+        };
+        out.push(ScheduleState {
+            name,
+            last_run,
+            lag_seconds,
+            deadline,
+            runs,
+        });
+    }
+    Ok(out)
+}
+
+/// A calendar's error as the database error it is (a calendar reads and
+/// never refuses a range).
+fn database(err: BackfillError) -> sqlx::Error {
+    match err {
+        BackfillError::Ledger(LedgerError::Db(e))
+        | BackfillError::Ledger(LedgerError::Queue(QueueError::Db(e))) => e,
+        other => sqlx::Error::Protocol(other.to_string()),
+    }
 }
 
 fn lag(

@@ -75,10 +75,10 @@ fn policy(row: &Synced) -> String {
 pub(super) async fn list(State(ui): State<Ui>) -> Page {
     let mut tx = ui.read().await?;
     let rows = history::synced(&mut tx).await?;
-    let lags: HashMap<String, f64> = snapshot::schedules(&mut tx)
+    let states: HashMap<String, snapshot::ScheduleState> = snapshot::schedules(&mut tx)
         .await?
         .into_iter()
-        .map(|s| (s.name, s.lag_seconds))
+        .map(|s| (s.name.clone(), s))
         .collect();
     let emitted = history::last_emitted(&mut tx).await?;
     let names: Vec<String> = rows.iter().map(|r| r.name.clone()).collect();
@@ -90,7 +90,7 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
             p .muted { "No schedules synced yet: the scheduler syncs the schedule files when it leads." }
         } @else {
             div .scroll { table #schedules {
-                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } th { "paused" } } }
+                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } th { "paused" } th { "deadline" } th .num { "overdue" } th .num { "missing" } } }
                 tbody {
                     @for row in &rows {
                         tr data-name=(row.name) {
@@ -102,9 +102,17 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
                                 Err(e) => span .error { (e) },
                             } }
                             td { @match emitted.get(&row.name) { Some((run, _)) => (run), None => (dash()) } }
-                            td .num { @match lags.get(&row.name) { Some(l) => (age(*l)), None => (dash()) } }
+                            td .num { @match states.get(&row.name) { Some(s) => (age(s.lag_seconds)), None => (dash()) } }
                             td .small { (policy(row)) }
                             td .paused { @match paused.get(&row.name) { Some(p) => (pause_text(p)), None => (dash()) } }
+                            td { @match &row.deadline { Some(d) => (d), None => (dash()) } }
+                            @match states.get(&row.name) {
+                                Some(s) => {
+                                    td .num .overdue .warn[s.runs.overdue > 0] { (s.runs.overdue) }
+                                    td .num .missing .warn[s.runs.missing > 0] { (s.runs.missing) }
+                                }
+                                None => { td .num { (dash()) } td .num { (dash()) } }
+                            }
                         }
                     }
                 }

@@ -17,6 +17,7 @@
 
 mod harness;
 
+mod alerts;
 mod cli;
 mod cli_broker;
 mod compose;

@@ -441,6 +441,18 @@ async fn every_page_shows_the_database_and_a_retried_job_runs(pool: PgPool) {
         row.contains("by alice: quarter close"),
         "a pause shows as text: {row}"
     );
+    // The one hole is the list's one missing run (the calendar's, below);
+    // without a deadline nothing is overdue.
+    assert_eq!(
+        number(&c, "tr[data-name='nightly'] td.missing").await,
+        1,
+        "{row}"
+    );
+    assert_eq!(
+        number(&c, "tr[data-name='nightly'] td.overdue").await,
+        0,
+        "{row}"
+    );
     shot(&c, "schedules").await;
     c.goto(&format!("{base}/schedules/nightly")).await.unwrap();
     let paused = text(&c, "#paused").await;
