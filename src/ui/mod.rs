@@ -233,9 +233,9 @@ impl From<crate::queue::QueueError> for UiError {
         use crate::queue::QueueError;
         match err {
             QueueError::NotFound(id) => UiError::NotFound(format!("No job with id {id}.")),
-            QueueError::WrongStatus { .. } | QueueError::Invalid(_) => {
-                UiError::BadRequest(err.to_string())
-            }
+            QueueError::WrongStatus { .. }
+            | QueueError::Invalid(_)
+            | QueueError::Superseded { .. } => UiError::BadRequest(err.to_string()),
             QueueError::Db(err) => err.into(),
         }
     }
