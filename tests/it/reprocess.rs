@@ -356,6 +356,16 @@ async fn failed_reemits_exactly_the_dead_runs_once_however_often_it_is_run(pool:
             && err.contains("--reprocess failed"),
         "{err}"
     );
+    // The dashboard's "retry all" of the group leaves them dead too.
+    let group = almanac::queue::browse::DeadFilter {
+        kind: Some("hourly".into()),
+        error: None,
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    let retried = almanac::queue::browse::retry_dead_matching(&mut conn, &group)
+        .await
+        .unwrap();
+    assert_eq!(retried, 0);
     assert_eq!(unfinished(&pool).await, 5);
 
     let _worker = Worker::start(&url, &scratch.handler("0"));
