@@ -159,6 +159,14 @@ fn action(mode: Reprocess, found: Found) -> Option<Action> {
     }
 }
 
+/// The recorded runs of `$1` with `$2 <= fire_at < $3`, and their jobs'
+/// statuses (by primary key).
+pub const FOUND_BETWEEN: &str = r#"
+SELECT r.logical_run, r.outcome, j.status
+  FROM almanac.schedule_runs r LEFT JOIN almanac.jobs j ON j.id = r.job_id
+ WHERE r.schedule = $1 AND r.fire_at >= $2 AND r.fire_at < $3
+"#;
+
 /// The state of the recorded runs of `schedule` with `from <= fire_at < to`.
 async fn found_between(
     conn: &mut PgConnection,
@@ -166,18 +174,12 @@ async fn found_between(
     from: DateTime<Utc>,
     to: DateTime<Utc>,
 ) -> Result<HashMap<String, Found>, LedgerError> {
-    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
-        r#"
-        SELECT r.logical_run, r.outcome, j.status
-          FROM almanac.schedule_runs r LEFT JOIN almanac.jobs j ON j.id = r.job_id
-         WHERE r.schedule = $1 AND r.fire_at >= $2 AND r.fire_at < $3
-        "#,
-    )
-    .bind(schedule)
-    .bind(from)
-    .bind(to)
-    .fetch_all(conn)
-    .await?;
+    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(FOUND_BETWEEN)
+        .bind(schedule)
+        .bind(from)
+        .bind(to)
+        .fetch_all(conn)
+        .await?;
     Ok(rows
         .into_iter()
         .map(|(run, outcome, status)| {

@@ -668,3 +668,242 @@ async fn bad_reprocess_flags_are_refused_and_write_nothing(pool: PgPool) {
         "{out}"
     );
 }
+
+/// Backends of this test's database waiting for a lock.
+async fn waiting_for_a_lock(pool: &PgPool) -> bool {
+    count(
+        pool,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await
+        > 0
+}
+
+/// The lock protocol with the real functions on both sides, each held
+/// mid-way inside an open transaction: a retry waits for a reprocess of
+/// its run and is then refused (the run has a new job); a reprocess waits
+/// for a retry of its run's job and then leaves the run alone (its job is
+/// active again). Either way one job of the run is active.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_retry_and_a_reprocess_of_one_run_never_both_revive_it(pool: PgPool) {
+    use almanac::scheduler::reprocess::{self, Options, Reprocess};
+    use almanac::scheduler::{backfill, spec};
+    use sqlx::Connection as _;
+
+    let schedule =
+        spec::load_sources(&[("h.toml".into(), "[hourly]\ncron = \"0 * * * *\"\n".into())])
+            .unwrap()
+            .remove(0);
+    let ((from, to), _) = hours(&pool, 2).await;
+    let range = backfill::Range {
+        from,
+        to: to + chrono::Duration::seconds(1),
+        dry_run: false,
+        allow_future: false,
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    backfill::backfill(&mut conn, &schedule, range, |_, _| {})
+        .await
+        .unwrap();
+    let die = "UPDATE almanac.jobs SET status = 'dead', finished_at = now(), last_error = 'boom'";
+    sqlx::query(die).execute(&pool).await.unwrap();
+    let planned: Vec<almanac::scheduler::timeline::Run> =
+        almanac::scheduler::plan::runs_in(&schedule, range.from, range.to, 10);
+    let first: i64 =
+        sqlx::query_scalar("SELECT job_id FROM almanac.schedule_runs ORDER BY fire_at LIMIT 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+
+    // A reprocess holds the first run's row: the retry waits, then is refused.
+    let mut held = pool.acquire().await.unwrap();
+    let mut tx = held.begin().await.unwrap();
+    let replaced = reprocess::replace(&mut tx, &schedule, Reprocess::Failed, &[&planned[0]])
+        .await
+        .unwrap();
+    assert_eq!(replaced.dead, 1);
+    let retry = tokio::spawn({
+        let pool = pool.clone();
+        async move { almanac::queue::retry(&mut pool.acquire().await.unwrap(), first).await }
+    });
+    eventually(
+        "the retry waiting for the run's lock",
+        Duration::from_secs(10),
+        || waiting_for_a_lock(&pool),
+    )
+    .await;
+    tx.commit().await.unwrap();
+    match retry.await.unwrap() {
+        Err(almanac::queue::QueueError::Superseded { id, current, .. }) => {
+            assert_eq!(id, first);
+            assert!(current.is_some_and(|c| c != first));
+        }
+        other => panic!("the retry of a superseded job went through: {other:?}"),
+    }
+
+    // A retry holds the second run's row: the reprocess waits, then leaves it.
+    let second: i64 =
+        sqlx::query_scalar("SELECT job_id FROM almanac.schedule_runs ORDER BY fire_at OFFSET 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let mut tx = held.begin().await.unwrap();
+    almanac::queue::retry(&mut tx, second).await.unwrap();
+    let reprocessing = tokio::spawn({
+        let (pool, schedule) = (pool.clone(), schedule.clone());
+        async move {
+            let options = Options {
+                reprocess: Reprocess::Failed,
+                ..Default::default()
+            };
+            reprocess::run(
+                &mut pool.acquire().await.unwrap(),
+                &schedule,
+                range,
+                options,
+                |_| {},
+            )
+            .await
+        }
+    });
+    eventually(
+        "the reprocess waiting for the run's lock",
+        Duration::from_secs(10),
+        || waiting_for_a_lock(&pool),
+    )
+    .await;
+    tx.commit().await.unwrap();
+    let report = reprocessing.await.unwrap().unwrap();
+    assert_eq!(
+        (
+            report.reemitted_dead,
+            report.already_emitted,
+            report.still_active
+        ),
+        (0, 2, 1)
+    );
+    let active: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT logical_run, count(*) FROM almanac.jobs WHERE status IN ('ready', 'running') GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(active.len(), 2, "{active:?}");
+    assert!(active.iter().all(|(_, n)| *n == 1), "{active:?}");
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 3);
+}
+
+/// The nodes of a JSON plan that scan a table of the queue sequentially.
+fn seq_scans(plan: &serde_json::Value, out: &mut Vec<String>) {
+    match plan {
+        serde_json::Value::Object(node) => {
+            if node.get("Node Type").and_then(|t| t.as_str()) == Some("Seq Scan") {
+                let table = node
+                    .get("Relation Name")
+                    .and_then(|t| t.as_str())
+                    .unwrap_or("");
+                if table == "jobs" || table == "schedule_runs" {
+                    out.push(table.to_string());
+                }
+            }
+            node.values().for_each(|v| seq_scans(v, out));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| seq_scans(v, out)),
+        _ => {}
+    }
+}
+
+/// Every statement a reprocess runs reads the ledger and the jobs through
+/// an index, on 100,000 runs with done jobs: its cost follows the range,
+/// not the history.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn reprocess_statements_use_indexes_on_a_long_history(pool: PgPool) {
+    use almanac::scheduler::reprocess::{ACTIVE_IN_RANGE, FOUND_BETWEEN, LOCK_RUNS, REPLACE};
+    let schedule = almanac::scheduler::spec::load_sources(&[(
+        "h.toml".into(),
+        "[big]\ncron = \"0 * * * *\"\n".into(),
+    )])
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    almanac::scheduler::ledger::sync(&mut conn, &schedule, false)
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        r#"
+        WITH j AS (
+            INSERT INTO almanac.jobs (kind, status, finished_at, schedule, logical_run, idempotency_key)
+            SELECT 'big', 'done', now(), 'big', 'r' || g, 'schedule:big:r' || g
+              FROM generate_series(1, 100000) g
+            RETURNING id, logical_run
+        )
+        INSERT INTO almanac.schedule_runs (schedule, logical_run, fire_at, job_id, source, outcome)
+        SELECT 'big', logical_run, '2000-01-01T00:00:00Z'::timestamptz + substr(logical_run, 2)::int * interval '1 hour',
+               id, 'tick', 'emitted'
+          FROM j;
+        ANALYZE almanac.jobs;
+        ANALYZE almanac.schedule_runs;
+        "#,
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let runs: Vec<String> = (500..550).map(|g| format!("r{g}")).collect();
+    let keys: Vec<String> = runs.iter().map(|r| format!("schedule:big:{r}")).collect();
+    let from: DateTime<Utc> = "2000-01-21T20:00:00Z".parse().unwrap();
+    let to = from + chrono::Duration::hours(50);
+    let explain = |sql: &str| format!("EXPLAIN (FORMAT JSON) {sql}");
+    let plans: Vec<(&str, serde_json::Value)> = vec![
+        (
+            "FOUND_BETWEEN",
+            sqlx::query_scalar(&explain(FOUND_BETWEEN))
+                .bind("big")
+                .bind(from)
+                .bind(to)
+                .fetch_one(&pool)
+                .await
+                .unwrap(),
+        ),
+        (
+            "ACTIVE_IN_RANGE",
+            sqlx::query_scalar(&explain(ACTIVE_IN_RANGE))
+                .bind("big")
+                .bind(from)
+                .bind(to)
+                .fetch_one(&pool)
+                .await
+                .unwrap(),
+        ),
+        (
+            "LOCK_RUNS",
+            sqlx::query_scalar(&explain(LOCK_RUNS))
+                .bind("big")
+                .bind(&runs)
+                .fetch_one(&pool)
+                .await
+                .unwrap(),
+        ),
+        (
+            "REPLACE",
+            sqlx::query_scalar(&explain(REPLACE))
+                .bind("big")
+                .bind(&runs)
+                .bind(&keys)
+                .bind(["dead", "done", "deleted"])
+                .bind("big")
+                .bind(serde_json::json!({}))
+                .bind(5)
+                .bind("almanac_jobs")
+                .fetch_one(&pool)
+                .await
+                .unwrap(),
+        ),
+    ];
+    for (name, plan) in plans {
+        let mut scans = Vec::new();
+        seq_scans(&plan, &mut scans);
+        assert!(
+            scans.is_empty(),
+            "{name} scans {scans:?} sequentially: {plan:#}"
+        );
+    }
+}
