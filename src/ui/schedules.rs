@@ -118,7 +118,7 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
                             td .num { @match lags.get(&row.name) { Some(l) => (age(*l)), None => (dash()) } }
                             td .small { (policy(row)) }
                             td .paused { @match paused.get(&row.name) { Some(p) => (pause_text(p)), None => (dash()) } }
-                            @if ui.actions { td .actions { (actions(&ui, &row.name, paused.contains_key(&row.name))) } }
+                            @if ui.actions { td .actions { (actions(&ui, &row.name, paused.contains_key(&row.name), false)) } }
                         }
                     }
                 }
@@ -131,8 +131,9 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
 }
 
 /// The action forms of one schedule: Pause (with a note) or Resume, and
-/// Trigger (the latest due run, or the one named).
-fn actions(ui: &Ui, name: &str, paused: bool) -> Markup {
+/// Trigger (the latest due run; on the schedule's own page, or the one
+/// named).
+fn actions(ui: &Ui, name: &str, paused: bool, name_a_run: bool) -> Markup {
     let base = format!("/schedules/{}", enc(name));
     html! {
         @if paused {
@@ -143,13 +144,15 @@ fn actions(ui: &Ui, name: &str, paused: bool) -> Markup {
         } @else {
             form .pause method="post" action={(base) "/pause"} {
                 (csrf(&ui.csrf))
-                input type="text" name="note" placeholder="why (shown with the pause)" aria-label="pause note";
+                input type="text" name="note" size="14" placeholder="note: why" aria-label="pause note";
                 button .pause type="submit" data-name=(name) { "Pause" }
             }
         }
         form .trigger method="post" action={(base) "/trigger"} {
             (csrf(&ui.csrf))
-            input type="text" name="logical_run" placeholder="logical run (default: latest due)" aria-label="logical run";
+            @if name_a_run {
+                input type="text" name="logical_run" size="30" placeholder="logical run (or the latest due)" aria-label="logical run";
+            }
             button .trigger type="submit" data-name=(name) { "Trigger" }
         }
     }
@@ -392,7 +395,7 @@ pub(super) async fn detail(
             dt { "start" } dd { @match row.start { Some(d) => (d), None => (dash()) } }
             dt { "first synced" } dd { (time(row.created_at)) }
         }
-        @if ui.actions { div .actions #actions { (actions(&ui, &row.name, paused.contains_key(&name))) } }
+        @if ui.actions { div .actions #actions { (actions(&ui, &row.name, paused.contains_key(&name), true)) } }
         h2 { "Run calendar" }
         p .muted {
             @if daily { "The last " (history::CALENDAR_DAYS) " days" } @else { "The last " (calendar.cells.len()) " runs" }

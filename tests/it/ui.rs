@@ -1283,3 +1283,80 @@ async fn schedule_actions_are_refused_without_ui_actions(pool: PgPool) {
         assert_eq!(count(&pool, &sql).await, 0, "{table}");
     }
 }
+
+/// The schedule buttons in a real browser: pause with a note typed into
+/// the form, resume, trigger; each page says what happened and the
+/// database agrees.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
+    sync_every5(&pool).await;
+    let (_almanac, addr) = serve(&pool, true).await;
+    let (_driver, c) = browser().await;
+    let base = format!("http://{addr}");
+    let click = |css: &'static str| {
+        let c = &c;
+        async move {
+            c.find(Locator::Css(css))
+                .await
+                .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+                .click()
+                .await
+                .unwrap();
+        }
+    };
+    c.goto(&format!("{base}/schedules")).await.unwrap();
+    shot(&c, "schedules-actions").await;
+    c.find(Locator::Css("tr[data-name='every5'] input[name='note']"))
+        .await
+        .unwrap()
+        .send_keys("quarter close")
+        .await
+        .unwrap();
+    click("tr[data-name='every5'] button.pause").await;
+    let flash = text(&c, "#flash").await;
+    assert!(
+        flash.starts_with("every5: paused since") && flash.ends_with("by dashboard: quarter close"),
+        "{flash}"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_pauses WHERE resumed_at IS NULL AND note = 'quarter close'"
+        )
+        .await,
+        1
+    );
+
+    c.goto(&format!("{base}/schedules/every5")).await.unwrap();
+    assert!(text(&c, "#paused")
+        .await
+        .ends_with("by dashboard: quarter close"));
+    shot(&c, "schedule-actions").await;
+    click("#actions button.resume").await;
+    assert!(text(&c, "#flash")
+        .await
+        .starts_with("every5: resumed (was paused since"));
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_pauses WHERE resumed_at IS NULL"
+        )
+        .await,
+        0
+    );
+
+    c.goto(&format!("{base}/schedules")).await.unwrap();
+    click("tr[data-name='every5'] button.trigger").await;
+    let flash = text(&c, "#flash").await;
+    assert!(flash.starts_with("every5: emitted logical run "), "{flash}");
+    let job = count(&pool, "SELECT max(id) FROM almanac.jobs").await;
+    assert!(flash.ends_with(&format!(" as job {job}")), "{flash}");
+    click("#flash a").await;
+    assert!(c
+        .current_url()
+        .await
+        .unwrap()
+        .path()
+        .ends_with(&format!("/jobs/{job}")));
+    c.close().await.unwrap();
+}
