@@ -24,7 +24,8 @@ pub struct HttpFlags {
 /// `almanac run`'s dashboard switches.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UiFlags {
-    /// Let the dashboard retry dead jobs (POST forms with a CSRF token);
+    /// Let the dashboard retry dead jobs and pause, resume or trigger
+    /// schedules (POST forms with a CSRF token);
     /// without it the dashboard is read-only [default: off].
     #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL",
           value_parser = clap::builder::BoolishValueParser::new())]

@@ -1,7 +1,7 @@
 //! Operator actions and read-only views of the queue.
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgExecutor};
+use sqlx::{Connection, PgConnection, PgExecutor};
 
 use super::{Job, JobStatus, QueueError, NOTIFY_CHANNEL};
 
@@ -39,9 +39,42 @@ pub async fn list<'e>(db: impl PgExecutor<'e>, filter: &JobFilter) -> Result<Vec
 
 /// Gives a dead job a fresh set of attempts, due now. `last_error` is kept
 /// until the next attempt overwrites it.
+///
+/// A job of a scheduled run is revived only while the run's ledger row
+/// still points at it, checked under that row's lock (`FOR SHARE`), so a
+/// retry and a reprocess of the run cannot both make a job of it active
+/// ([`crate::scheduler::reprocess`]); an earlier job of a reprocessed run is
+/// refused with [`QueueError::Superseded`].
 pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
+    let mut tx = conn.begin().await?;
+    let run: Option<(Option<String>, Option<String>)> =
+        sqlx::query_as("SELECT schedule, logical_run FROM almanac.jobs WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some((Some(schedule), Some(logical_run))) = run {
+        let ledger: Option<Option<i64>> = sqlx::query_scalar(
+            "SELECT job_id FROM almanac.schedule_runs \
+             WHERE schedule = $1 AND logical_run = $2 FOR SHARE",
+        )
+        .bind(&schedule)
+        .bind(&logical_run)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match ledger {
+            Some(current) if current != Some(id) => {
+                return Err(QueueError::Superseded {
+                    id,
+                    schedule,
+                    logical_run,
+                    current,
+                })
+            }
+            _ => {}
+        }
+    }
     let job = transition(
-        conn,
+        &mut tx,
         id,
         JobStatus::Dead,
         "retry",
@@ -52,8 +85,9 @@ pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> 
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(NOTIFY_CHANNEL)
         .bind(&job.kind)
-        .execute(&mut *conn)
+        .execute(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(job)
 }
 

@@ -13,7 +13,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgExecutor, Postgres, QueryBuilder};
+use sqlx::{Connection, PgConnection, PgExecutor, Postgres, QueryBuilder};
 
 use super::{Job, JobStatus, QueueError, NOTIFY_CHANNEL};
 
@@ -237,7 +237,8 @@ pub const RETRY_BATCH: usize = 1_000;
 /// same transition as [`super::retry`]. The matching ids are read once, then
 /// retried [`RETRY_BATCH`] at a time in short statements, so a large group
 /// holds no long lock and a job that dies again meanwhile is not retried
-/// twice. Returns how many were retried.
+/// twice. An earlier job of a reprocessed scheduled run stays dead, as
+/// [`super::retry`] refuses it. Returns how many were retried.
 pub async fn retry_dead_matching(
     conn: &mut PgConnection,
     f: &DeadFilter,
@@ -248,12 +249,30 @@ pub async fn retry_dead_matching(
     let ids: Vec<i64> = b.build_query_scalar().fetch_all(&mut *conn).await?;
     let mut retried = 0u64;
     for chunk in ids.chunks(RETRY_BATCH) {
-        let mut kinds: Vec<String> = sqlx::query_scalar(
-            "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
-             WHERE id = ANY($1) AND status = 'dead' RETURNING kind",
+        let mut tx = conn.begin().await?;
+        // As in [`super::retry`]: the ledger rows of the scheduled ones are
+        // locked first, and an earlier job of a reprocessed run (the ledger
+        // points elsewhere) is left dead.
+        sqlx::query(
+            "SELECT 1 FROM almanac.schedule_runs r \
+             WHERE (r.schedule, r.logical_run) IN \
+                   (SELECT schedule, logical_run FROM almanac.jobs \
+                     WHERE id = ANY($1) AND schedule IS NOT NULL AND logical_run IS NOT NULL) \
+             ORDER BY r.schedule, r.fire_at FOR SHARE OF r",
         )
         .bind(chunk)
-        .fetch_all(&mut *conn)
+        .execute(&mut *tx)
+        .await?;
+        let mut kinds: Vec<String> = sqlx::query_scalar(
+            "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
+             WHERE id = ANY($1) AND status = 'dead' \
+               AND NOT EXISTS (SELECT 1 FROM almanac.schedule_runs r \
+                                WHERE r.schedule = j.schedule AND r.logical_run = j.logical_run \
+                                  AND r.job_id IS DISTINCT FROM j.id) \
+             RETURNING kind",
+        )
+        .bind(chunk)
+        .fetch_all(&mut *tx)
         .await?;
         retried += kinds.len() as u64;
         // Workers of these kinds wake now rather than at their next poll.
@@ -263,9 +282,10 @@ pub async fn retry_dead_matching(
             sqlx::query("SELECT pg_notify($1, $2)")
                 .bind(NOTIFY_CHANNEL)
                 .bind(kind)
-                .execute(&mut *conn)
+                .execute(&mut *tx)
                 .await?;
         }
+        tx.commit().await?;
     }
     Ok(retried)
 }

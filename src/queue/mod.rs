@@ -166,4 +166,14 @@ pub enum QueueError {
     },
     #[error("invalid job: {0}")]
     Invalid(String),
+    /// A dead job of a scheduled run whose ledger row points at another job
+    /// (the run was reprocessed since): reviving it would make two jobs of
+    /// one logical run active (see [`crate::scheduler::reprocess`]).
+    #[error("job {id} is an earlier job of run {logical_run} of schedule `{schedule}`, which was reprocessed since ({}); it is kept as history and not retried. To run the run again, reprocess it: `almanac backfill {schedule} --from DATE --to DATE --reprocess failed` (or `all`)", match .current { Some(j) => format!("its job now is {j}; retry that one if it is dead"), None => "its newer job was deleted by retention".to_string() })]
+    Superseded {
+        id: i64,
+        schedule: String,
+        logical_run: String,
+        current: Option<i64>,
+    },
 }

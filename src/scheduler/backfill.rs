@@ -5,6 +5,8 @@
 //! runs recorded earlier as skipped. Runs already emitted are left alone, so a
 //! backfill repeated gives the same ledger, and a run whose job was deleted by
 //! retention is not emitted again. Nothing before the schedule's `start`.
+//! (That is `--reprocess missing`, the default; re-running runs that have a
+//! job, `failed` or `all`, and `--max-active` are [`super::reprocess`]'s.)
 //!
 //! Backfill is for the past: a range reaching runs not yet due (by the
 //! database's clock) is refused unless the operator allows the future
@@ -36,8 +38,9 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use super::ledger::{self, LedgerError, Recorded, Spell};
-use super::plan::{self, Decision, Planned, Source};
+use super::ledger::{self, LedgerError, Spell};
+use super::plan;
+use super::reprocess::{self, Options, Progress, Reprocess};
 use super::spec::Schedule;
 use super::timeline::Run;
 
@@ -47,7 +50,8 @@ pub const DUE_GRACE: chrono::Duration = chrono::Duration::seconds(60);
 
 /// Largest range one command handles, in runs.
 pub const MAX_RUNS: usize = 2_000_000;
-const CHUNK: usize = 5_000;
+/// Runs one step of a backfill records at most.
+pub(super) const CHUNK: usize = 5_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackfillError {
@@ -66,17 +70,30 @@ pub enum BackfillError {
 /// What a backfill did, or (dry run) would do.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct BackfillReport {
+    /// Which runs it was asked to give a job (`--reprocess`).
+    pub reprocess: Reprocess,
     /// Runs in the range (on or after `start`).
     pub in_range: u64,
     /// Runs that had no ledger row and were emitted.
     pub emitted: u64,
     /// Runs recorded as skipped before, emitted now.
     pub emitted_after_skip: u64,
-    /// Runs that already had a job.
+    /// Runs whose dead job was replaced by a new one (`failed`, `all`).
+    pub reemitted_dead: u64,
+    /// Runs whose done job was replaced by a new one (`all`).
+    pub reemitted_done: u64,
+    /// Runs whose job retention had deleted, emitted again (`all`).
+    pub reemitted_deleted: u64,
+    /// Runs that had a job (or one retention deleted) and were left as
+    /// they were.
     pub already_emitted: u64,
+    /// Of `already_emitted`: runs whose job is still ready or running.
+    pub still_active: u64,
+    /// Runs with no job that this mode does not emit (`failed`).
+    pub without_job: u64,
 }
 
-fn runs(
+pub(super) fn runs(
     schedule: &Schedule,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
@@ -109,7 +126,8 @@ pub struct Range {
     pub allow_future: bool,
 }
 
-/// Emits the runs with `from <= fire_at < to` that have no job yet.
+/// Emits the runs with `from <= fire_at < to` that have no job yet
+/// ([`reprocess::run`] with `--reprocess missing`, the default).
 /// `progress(done, total)` is called after each chunk.
 pub async fn backfill(
     conn: &mut PgConnection,
@@ -117,71 +135,12 @@ pub async fn backfill(
     range: Range,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<BackfillReport, BackfillError> {
-    let Range {
-        from,
-        to,
-        dry_run,
-        allow_future,
-    } = range;
-    let runs = runs(schedule, from, to)?;
-    if !allow_future {
-        let now = db_now(conn).await?;
-        if let Some(first) = runs.iter().find(|r| r.fire_at > now) {
-            return Err(BackfillError::Future {
-                schedule: schedule.name.clone(),
-                first: first.fire_at,
-                now,
-            });
+    reprocess::run(conn, schedule, range, Options::default(), |p| {
+        if let Progress::Step { done, total, .. } = p {
+            progress(done, total)
         }
-    }
-    if !dry_run {
-        ledger::sync(conn, std::slice::from_ref(schedule), false).await?;
-    }
-    let recorded = ledger::recorded_between(conn, &schedule.name, from, to).await?;
-    let mut report = BackfillReport {
-        in_range: runs.len() as u64,
-        ..Default::default()
-    };
-    let todo: Vec<Run> = runs
-        .into_iter()
-        .filter(|r| match recorded.get(&r.logical_run).map(String::as_str) {
-            Some("emitted") => {
-                report.already_emitted += 1;
-                false
-            }
-            Some(_) => {
-                report.emitted_after_skip += 1;
-                true
-            }
-            None => {
-                report.emitted += 1;
-                true
-            }
-        })
-        .collect();
-    if dry_run {
-        return Ok(report);
-    }
-    let total = todo.len() as u64;
-    let mut done = Recorded::default();
-    for chunk in todo.chunks(CHUNK) {
-        let planned: Vec<Planned> = chunk
-            .iter()
-            .map(|run| Planned {
-                run: run.clone(),
-                source: Source::Backfill,
-                decision: Decision::Emit,
-            })
-            .collect();
-        let batch: Vec<(&Schedule, &Planned)> = planned.iter().map(|p| (schedule, p)).collect();
-        done.add(ledger::record(conn, &batch, false, true).await?);
-        progress(done.emitted + done.emitted_after_skip + done.existed, total);
-    }
-    // Anything another process recorded meanwhile counts as already there.
-    report.emitted = done.emitted;
-    report.emitted_after_skip = done.emitted_after_skip;
-    report.already_emitted += done.existed;
-    Ok(report)
+    })
+    .await
 }
 
 /// What became of a run with no ledger row, by the module doc's rule.

@@ -39,6 +39,7 @@ pub mod history;
 pub mod leader;
 pub mod ledger;
 pub mod plan;
+pub mod reprocess;
 pub mod spec;
 pub mod ticker;
 pub mod timeline;

@@ -1,5 +1,6 @@
 // almanac dashboard: reload pages that ask for it (body[data-refresh], in
-// seconds) unless the reader turned auto-refresh off. Nothing else.
+// seconds) unless the reader turned auto-refresh off or is typing in a
+// form (a pause note). Nothing else.
 (function () {
   var body = document.body;
   var seconds = Number(body.getAttribute("data-refresh"));
@@ -17,6 +18,7 @@
   });
   show();
   setInterval(function () {
-    if (on() && !document.hidden) location.reload();
+    var typing = document.activeElement && document.activeElement.form;
+    if (on() && !document.hidden && !typing) location.reload();
   }, seconds * 1000);
 })();

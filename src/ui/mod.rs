@@ -9,7 +9,8 @@
 //! - *Read-only unless `--ui-actions`.* Pages are `GET`s that read inside a
 //!   `READ ONLY` transaction with a 5 s `statement_timeout`. The only writes
 //!   are the operator retries (one dead job, or every dead job of a group
-//!   after a confirmation page showing how many), which are `POST`s and are
+//!   after a confirmation page showing how many) and a schedule's pause,
+//!   resume and trigger (the CLI's functions, see [`schedules`]), which are `POST`s and are
 //!   refused with 403 and a message saying how to turn them on unless the
 //!   process was started with `--ui-actions` (`ALMANAC_UI_ACTIONS`,
 //!   `ui_actions` in `almanac.toml`). Without it no action form is rendered.
@@ -64,7 +65,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 /// How the dashboard is served.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UiConfig {
-    /// Allow the retry actions (`--ui-actions`).
+    /// Allow the actions: retries, schedule pause/resume/trigger (`--ui-actions`).
     pub actions: bool,
     /// Basic auth guards the dashboard, so any `Host` may be served;
     /// otherwise only loopback names are (see "Foreign hosts" above).
@@ -98,6 +99,9 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         .route("/dead/retry", get(dead::confirm).post(dead::retry_all))
         .route("/schedules", get(schedules::list))
         .route("/schedules/{name}", get(schedules::detail))
+        .route("/schedules/{name}/pause", post(schedules::pause))
+        .route("/schedules/{name}/resume", post(schedules::resume))
+        .route("/schedules/{name}/trigger", post(schedules::trigger))
         .route("/routes", get(routes::page))
         .route("/ui/style.css", get(style))
         .route("/ui/app.js", get(script))
@@ -207,7 +211,7 @@ impl Ui {
     }
 }
 
-const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry jobs from here, or use `almanac jobs retry ID`.";
+const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry jobs and pause, resume or trigger schedules from here, or use `almanac jobs retry ID` and `almanac schedules pause|resume|trigger NAME`.";
 
 /// What a page or an action can fail with; shown as a page with its status.
 #[derive(Debug, thiserror::Error)]
@@ -233,9 +237,9 @@ impl From<crate::queue::QueueError> for UiError {
         use crate::queue::QueueError;
         match err {
             QueueError::NotFound(id) => UiError::NotFound(format!("No job with id {id}.")),
-            QueueError::WrongStatus { .. } | QueueError::Invalid(_) => {
-                UiError::BadRequest(err.to_string())
-            }
+            QueueError::WrongStatus { .. }
+            | QueueError::Invalid(_)
+            | QueueError::Superseded { .. } => UiError::BadRequest(err.to_string()),
             QueueError::Db(err) => err.into(),
         }
     }

@@ -1,4 +1,14 @@
-//! `/schedules` and `/schedules/{name}` with its run calendar.
+//! `/schedules` and `/schedules/{name}` with its run calendar, and, with
+//! `--ui-actions`, the operator's pause (with a note), resume and trigger.
+//!
+//! The actions are admitted exactly as the retries are ([`Ui::admit`]:
+//! actions on, this process's CSRF token; the origin check and basic auth
+//! are the router's) and call the functions `almanac schedules
+//! pause|resume|trigger` calls ([`controls`]), on the definition the
+//! scheduler last synced, so their rules are those of the CLI. The
+//! operator recorded is `dashboard`, or `USER (dashboard)` behind basic
+//! auth. Each is idempotent (a second pause says since when, a second
+//! trigger finds the run), so the result is a page, not a redirect.
 //!
 //! The definitions are the ones last synced to the database (what the
 //! scheduler runs), lag is the metrics snapshot's, and the calendar's
@@ -8,17 +18,19 @@
 use std::collections::{BTreeMap, HashMap};
 
 use axum::extract::{Path, Query, State};
-use axum::response::Html;
+use axum::http::HeaderMap;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Form;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use maud::{html, Markup};
 use serde::Deserialize;
 
-use super::view::{age, dash, enc, layout, time};
+use super::view::{age, csrf, dash, enc, layout, time};
 use super::{Page, Ui, UiError};
 use crate::config::HumanDuration;
 use crate::scheduler::backfill::db_now;
-use crate::scheduler::controls::{self, Pause};
+use crate::scheduler::controls::{self, ControlError, Pause, Paused, Triggered};
 use crate::scheduler::history::{self, CellState, Synced};
 use crate::scheduler::spec::Schedule;
 use crate::stats::snapshot;
@@ -90,7 +102,8 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
             p .muted { "No schedules synced yet: the scheduler syncs the schedule files when it leads." }
         } @else {
             div .scroll { table #schedules {
-                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } th { "paused" } th { "deadline" } th .num { "overdue" } th .num { "missing" } } }
+                thead { tr { th { "name" } th { "cron" } th { "zone" } th { "next fire" } th { "last emitted" } th .num { "lag" } th { "policy" } th { "paused" } th { "deadline" } th .num { "overdue" } th .num { "missing" }
+                    @if ui.actions { th { "actions" } } } }
                 tbody {
                     @for row in &rows {
                         tr data-name=(row.name) {
@@ -113,6 +126,7 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
                                 }
                                 None => { td .num { (dash()) } td .num { (dash()) } }
                             }
+                            @if ui.actions { td .actions { (actions(&ui, &row.name, paused.contains_key(&row.name), false)) } }
                         }
                     }
                 }
@@ -122,6 +136,203 @@ pub(super) async fn list(State(ui): State<Ui>) -> Page {
     Ok(Html(
         layout("Schedules", "/schedules", true, body).into_string(),
     ))
+}
+
+/// The action forms of one schedule: Pause (with a note) or Resume, and
+/// Trigger (the latest due run; on the schedule's own page, or the one
+/// named).
+fn actions(ui: &Ui, name: &str, paused: bool, name_a_run: bool) -> Markup {
+    let base = format!("/schedules/{}", enc(name));
+    html! {
+        @if paused {
+            form .resume method="post" action={(base) "/resume"} {
+                (csrf(&ui.csrf))
+                button .resume type="submit" data-name=(name) { "Resume" }
+            }
+        } @else {
+            form .pause method="post" action={(base) "/pause"} {
+                (csrf(&ui.csrf))
+                input type="text" name="note" size="14" placeholder="note: why" aria-label="pause note";
+                button .pause type="submit" data-name=(name) { "Pause" }
+            }
+        }
+        form .trigger method="post" action={(base) "/trigger"} {
+            (csrf(&ui.csrf))
+            @if name_a_run {
+                input type="text" name="logical_run" size="30" placeholder="logical run (or the latest due)" aria-label="logical run";
+            }
+            button .trigger type="submit" data-name=(name) { "Trigger" }
+        }
+    }
+}
+
+/// An action's form fields.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct ControlForm {
+    csrf: Option<String>,
+    note: Option<String>,
+    logical_run: Option<String>,
+}
+
+impl From<ControlError> for UiError {
+    fn from(err: ControlError) -> Self {
+        match err {
+            ControlError::NotALogicalRun { .. } | ControlError::NothingDue { .. } => {
+                UiError::BadRequest(err.to_string())
+            }
+            ControlError::Ledger(_) | ControlError::Backfill(_) => UiError::Db(err.to_string()),
+        }
+    }
+}
+
+/// Who acts: `dashboard`, or `USER (dashboard)` when basic auth (already
+/// checked by the HTTP layer) names the user.
+fn operator(headers: &HeaderMap) -> String {
+    use base64::Engine as _;
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b.trim())
+                .ok()
+        })
+        .and_then(|d| String::from_utf8(d).ok())
+        .and_then(|d| d.split_once(':').map(|(user, _)| user.to_string()))
+        .filter(|user| !user.is_empty())
+        .map_or_else(
+            || "dashboard".to_string(),
+            |user| format!("{user} (dashboard)"),
+        )
+}
+
+/// The synced definition of `name`: what the scheduler runs.
+async fn synced(conn: &mut sqlx::PgConnection, name: &str) -> Result<Schedule, UiError> {
+    history::synced_one(conn, name)
+        .await?
+        .ok_or_else(|| UiError::NotFound(format!("No schedule named `{name}` has been synced.")))?
+        .schedule()
+        .map_err(UiError::BadRequest)
+}
+
+/// The page an action answers with: what it did, in the CLI's words.
+fn done(name: &str, title: &str, message: String) -> Response {
+    let body = html! {
+        p .flash #flash { (message) }
+        p { a href={"/schedules/" (enc(name))} { "Back to " (name) } " · " a href="/schedules" { "all schedules" } }
+    };
+    Html(layout(title, "/schedules", false, body).into_string()).into_response()
+}
+
+pub(super) async fn pause(
+    State(ui): State<Ui>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<ControlForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    let by = operator(&headers);
+    let note = form.note.unwrap_or_default();
+    let result = async {
+        let mut conn = ui.pool.acquire().await?;
+        let schedule = synced(&mut conn, &name).await?;
+        Ok::<_, UiError>(controls::pause(&mut conn, &schedule, note.trim(), &by, None).await?)
+    }
+    .await;
+    match result {
+        Ok(Paused::Now(p)) => {
+            tracing::info!(schedule = %name, by = %p.by, "dashboard: paused a schedule");
+            done(&name, "Paused", format!("{name}: {}", pause_text(&p)))
+        }
+        Ok(Paused::Already(p)) => done(
+            &name,
+            "Already paused",
+            format!("{name}: already {}; nothing changed", pause_text(&p)),
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn resume(
+    State(ui): State<Ui>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<ControlForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    let by = operator(&headers);
+    let result = async {
+        let mut conn = ui.pool.acquire().await?;
+        synced(&mut conn, &name).await?;
+        Ok::<_, UiError>(controls::resume(&mut conn, &name, &by, None).await?)
+    }
+    .await;
+    match result {
+        Ok(Some(p)) => {
+            tracing::info!(schedule = %name, by = %by, "dashboard: resumed a schedule");
+            done(
+                &name,
+                "Resumed",
+                format!("{name}: resumed (was {})", pause_text(&p)),
+            )
+        }
+        Ok(None) => done(
+            &name,
+            "Not paused",
+            format!("{name}: not paused; nothing changed"),
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn trigger(
+    State(ui): State<Ui>,
+    Path(name): Path<String>,
+    Form(form): Form<ControlForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    let logical_run = form
+        .logical_run
+        .map(|r| r.trim().to_string())
+        .filter(|r| !r.is_empty());
+    let result = async {
+        let mut conn = ui.pool.acquire().await?;
+        let schedule = synced(&mut conn, &name).await?;
+        Ok::<_, UiError>(controls::trigger(&mut conn, &schedule, logical_run.as_deref()).await?)
+    }
+    .await;
+    match result {
+        Ok(Triggered::Emitted { run, job_id }) => {
+            tracing::info!(schedule = %name, logical_run = %run.logical_run, job_id, "dashboard: triggered a run");
+            let body = html! {
+                p .flash #flash { (name) ": emitted logical run " (run.logical_run) " as job "
+                    a href={"/jobs/" (job_id)} { (job_id) } }
+                p { a href={"/schedules/" (enc(&name))} { "Back to " (name) } }
+            };
+            Html(layout("Triggered", "/schedules", false, body).into_string()).into_response()
+        }
+        Ok(Triggered::Existed {
+            run,
+            source,
+            job_id,
+        }) => done(
+            &name,
+            "Already there",
+            format!(
+                "{name}: logical run {} already exists (recorded by {source}{}); nothing emitted",
+                run.logical_run,
+                job_id.map(|j| format!(", job {j}")).unwrap_or_default()
+            ),
+        ),
+        Err(e) => e.into_response(),
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -192,6 +403,7 @@ pub(super) async fn detail(
             dt { "start" } dd { @match row.start { Some(d) => (d), None => (dash()) } }
             dt { "first synced" } dd { (time(row.created_at)) }
         }
+        @if ui.actions { div .actions #actions { (actions(&ui, &row.name, paused.contains_key(&name), true)) } }
         h2 { "Run calendar" }
         p .muted {
             @if daily { "The last " (history::CALENDAR_DAYS) " days" } @else { "The last " (calendar.cells.len()) " runs" }

@@ -32,6 +32,7 @@ mod queue;
 mod relay;
 mod relay_faults;
 mod relay_routes;
+mod reprocess;
 mod scheduler;
 mod schema;
 mod slow_tick;

@@ -1095,3 +1095,280 @@ async fn a_run_due_this_minute_is_due_not_missing(pool: PgPool) {
         missing
     );
 }
+
+/// A synced five-minute schedule, `every5`, as the scheduler would leave it.
+async fn sync_every5(pool: &PgPool) {
+    let schedules = almanac::scheduler::spec::load_sources(&[(
+        "s.toml".into(),
+        "[every5]\ncron = \"*/5 * * * *\"\n".to_string(),
+    )])
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    almanac::scheduler::ledger::sync(&mut conn, &schedules, false)
+        .await
+        .unwrap();
+}
+
+/// The CSRF token the page's action forms carry.
+fn token_in(page: &str) -> String {
+    let (_, rest) = page
+        .split_once(r#"name="csrf" value=""#)
+        .unwrap_or_else(|| panic!("no action form: {page}"));
+    rest.split('"').next().unwrap().to_string()
+}
+
+/// The dashboard's schedule actions, as its forms send them: pause with a
+/// note, resume, trigger, each saying what it did in the CLI's words, each
+/// idempotent; a wrong token, another site, an unknown schedule or run are
+/// refused and change nothing.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn schedules_are_paused_resumed_and_triggered_from_the_dashboard(pool: PgPool) {
+    sync_every5(&pool).await;
+    let (_almanac, addr) = serve(&pool, true).await;
+    let page = harness::http::get(&addr, "/schedules").await.unwrap().body;
+    assert!(
+        page.contains(r#"action="/schedules/every5/pause""#)
+            && page.contains(r#"action="/schedules/every5/trigger""#)
+            && !page.contains(r#"action="/schedules/every5/resume""#),
+        "{page}"
+    );
+    let token = token_in(&page);
+    let pauses = || async {
+        let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+            "SELECT note, paused_by, resumed_by FROM almanac.schedule_pauses ORDER BY paused_at",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        rows
+    };
+
+    // Refused: a wrong token, another site, an unknown schedule.
+    let (status, body) = post(&addr, "/schedules/every5/pause", "csrf=guess&note=x").await;
+    assert_eq!(status, 403);
+    assert!(body.contains("CSRF token does not match"), "{body}");
+    let form = format!("csrf={token}&note=x");
+    let (status, body) = raw(
+        &addr,
+        &format!(
+            "POST /schedules/every5/pause HTTP/1.1\r\nHost: {addr}\r\nOrigin: http://evil.example\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        ),
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert!(body.contains("sent from another site"), "{body}");
+    let (status, body) = post(&addr, "/schedules/nosuch/pause", &form).await;
+    assert_eq!(status, 404);
+    assert!(
+        body.contains("No schedule named `nosuch` has been synced."),
+        "{body}"
+    );
+    assert!(pauses().await.is_empty());
+
+    // Pause with a note; again: already, nothing changed.
+    let (status, body) = post(
+        &addr,
+        "/schedules/every5/pause",
+        &format!("csrf={token}&note=warehouse+migration"),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("every5: paused since ")
+            && body.contains(" by dashboard: warehouse migration"),
+        "{body}"
+    );
+    let (_, body) = post(
+        &addr,
+        "/schedules/every5/pause",
+        &format!("csrf={token}&note="),
+    )
+    .await;
+    assert!(
+        body.contains("every5: already paused since ") && body.contains("nothing changed"),
+        "{body}"
+    );
+    assert_eq!(
+        pauses().await,
+        vec![("warehouse migration".into(), "dashboard".into(), None)]
+    );
+    let page = harness::http::get(&addr, "/schedules").await.unwrap().body;
+    assert!(
+        page.contains(r#"action="/schedules/every5/resume""#)
+            && !page.contains(r#"action="/schedules/every5/pause""#)
+            && page.contains("by dashboard: warehouse migration"),
+        "{page}"
+    );
+
+    // Resume; again: not paused.
+    let (status, body) = post(&addr, "/schedules/every5/resume", &format!("csrf={token}")).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("every5: resumed (was paused since "),
+        "{body}"
+    );
+    let (_, body) = post(&addr, "/schedules/every5/resume", &format!("csrf={token}")).await;
+    assert!(
+        body.contains("every5: not paused; nothing changed"),
+        "{body}"
+    );
+    assert_eq!(
+        pauses().await,
+        vec![(
+            "warehouse migration".into(),
+            "dashboard".into(),
+            Some("dashboard".into())
+        )]
+    );
+
+    // Trigger the latest due run; again: it exists; a name that is no run
+    // of the schedule is refused.
+    let (status, body) = post(
+        &addr,
+        "/schedules/every5/trigger",
+        &format!("csrf={token}&logical_run="),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("every5: emitted logical run "), "{body}");
+    let (_, body) = post(&addr, "/schedules/every5/trigger", &format!("csrf={token}")).await;
+    assert!(
+        body.contains("already exists (recorded by trigger, job ")
+            && body.contains("nothing emitted"),
+        "{body}"
+    );
+    let (status, body) = post(
+        &addr,
+        "/schedules/every5/trigger",
+        &format!("csrf={token}&logical_run=2026-03-08"),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        body.contains("`2026-03-08` is not a logical run of `every5`"),
+        "{body}"
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 1);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_runs WHERE source = 'trigger' AND job_id IS NOT NULL"
+        )
+        .await,
+        1
+    );
+}
+
+/// Without `--ui-actions` the schedule pages show no action form and every
+/// schedule action is refused, saying how to turn actions on.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn schedule_actions_are_refused_without_ui_actions(pool: PgPool) {
+    sync_every5(&pool).await;
+    let (_almanac, addr) = serve(&pool, false).await;
+    for path in ["/schedules", "/schedules/every5"] {
+        let reply = harness::http::get(&addr, path).await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert!(reply.body.contains("every5"), "{}", reply.body);
+        assert!(
+            !reply.body.contains("csrf") && !reply.body.contains("/schedules/every5/"),
+            "{path}: {}",
+            reply.body
+        );
+    }
+    for action in ["pause", "resume", "trigger"] {
+        let (status, body) = post(
+            &addr,
+            &format!("/schedules/every5/{action}"),
+            "csrf=guess&note=x",
+        )
+        .await;
+        assert_eq!(status, 403, "{action}: {body}");
+        assert!(
+            body.contains("Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions")
+                && body.contains("`almanac schedules pause|resume|trigger NAME`"),
+            "{body}"
+        );
+    }
+    for table in ["schedule_pauses", "schedule_runs", "jobs"] {
+        let sql = format!("SELECT count(*) FROM almanac.{table}");
+        assert_eq!(count(&pool, &sql).await, 0, "{table}");
+    }
+}
+
+/// The schedule buttons in a real browser: pause with a note typed into
+/// the form, resume, trigger; each page says what happened and the
+/// database agrees.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
+    sync_every5(&pool).await;
+    let (_almanac, addr) = serve(&pool, true).await;
+    let (_driver, c) = browser().await;
+    let base = format!("http://{addr}");
+    let click = |css: &'static str| {
+        let c = &c;
+        async move {
+            c.find(Locator::Css(css))
+                .await
+                .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+                .click()
+                .await
+                .unwrap();
+        }
+    };
+    c.goto(&format!("{base}/schedules")).await.unwrap();
+    shot(&c, "schedules-actions").await;
+    c.find(Locator::Css("tr[data-name='every5'] input[name='note']"))
+        .await
+        .unwrap()
+        .send_keys("quarter close")
+        .await
+        .unwrap();
+    click("tr[data-name='every5'] button.pause").await;
+    let flash = text(&c, "#flash").await;
+    assert!(
+        flash.starts_with("every5: paused since") && flash.ends_with("by dashboard: quarter close"),
+        "{flash}"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_pauses WHERE resumed_at IS NULL AND note = 'quarter close'"
+        )
+        .await,
+        1
+    );
+
+    c.goto(&format!("{base}/schedules/every5")).await.unwrap();
+    assert!(text(&c, "#paused")
+        .await
+        .ends_with("by dashboard: quarter close"));
+    shot(&c, "schedule-actions").await;
+    click("#actions button.resume").await;
+    assert!(text(&c, "#flash")
+        .await
+        .starts_with("every5: resumed (was paused since"));
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.schedule_pauses WHERE resumed_at IS NULL"
+        )
+        .await,
+        0
+    );
+
+    c.goto(&format!("{base}/schedules")).await.unwrap();
+    click("tr[data-name='every5'] button.trigger").await;
+    let flash = text(&c, "#flash").await;
+    assert!(flash.starts_with("every5: emitted logical run "), "{flash}");
+    let job = count(&pool, "SELECT max(id) FROM almanac.jobs").await;
+    assert!(flash.ends_with(&format!(" as job {job}")), "{flash}");
+    click("#flash a").await;
+    assert!(c
+        .current_url()
+        .await
+        .unwrap()
+        .path()
+        .ends_with(&format!("/jobs/{job}")));
+    c.close().await.unwrap();
+}
