@@ -39,48 +39,76 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// [`claim`]'s statement: `$1` kinds, `$2` limit, `$3` lease in milliseconds.
+///
+/// - Per kind, an ordered walk of `jobs_ready_kind_idx` that stops at the
+///   limit; then the earliest across kinds. (One scan with `kind = ANY($1)`
+///   would sort every ready row of those kinds.) Rows locked but not picked
+///   are released when this one-statement transaction commits.
+/// - Kinds routed to the broker are not walked. A job still on the broker
+///   route of a kind that is not (only between a route change and the
+///   reconcile sweep after an enqueue under an older snapshot) is locked but
+///   not updated.
+/// - The walk is written as a range of `jobs_ready_kind_idx`, `(kind, run_at,
+///   id)` from `(k, -infinity, 0)` up to `(kind, run_at) = (k, now())`: the
+///   same rows as `kind = k AND run_at <= now()`, but with no equality on the
+///   kind `ORDER BY kind, run_at, id` is an order only that index gives. With
+///   the equality and a route filter in the walk, a skewed table (one kind's
+///   broker backlog, few rows of the others) made the planner sort the
+///   kind's rows, or walk `jobs_ready_due_idx` past the backlog.
+/// - The update takes the picked ids as an array: primary-key lookups
+///   whatever the estimates (the generic plan, not knowing the limit,
+///   hash-joined a scan of the whole table).
+///
+/// Keep the text short: `pg_stat_activity` shows its first 1,024 bytes, and
+/// tests find a waiting claim there by its `SKIP LOCKED`.
+pub const CLAIM_SQL: &str = r#"
+WITH picked AS (
+    SELECT c.id, c.route FROM (
+        SELECT u.kind FROM unnest($1::text[]) AS u(kind)
+        WHERE NOT EXISTS (SELECT 1 FROM almanac.routes r WHERE r.kind = u.kind AND r.mode = 'broker')
+    ) AS k
+    CROSS JOIN LATERAL (
+        SELECT id, run_at, route FROM almanac.jobs
+        WHERE status = 'ready'
+          AND (kind, run_at, id) >= (k.kind, '-infinity'::timestamptz, 0)
+          AND (kind, run_at) <= (k.kind, now())
+        ORDER BY kind, run_at, id
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+    ORDER BY c.run_at, c.id
+    LIMIT $2
+)
+UPDATE almanac.jobs AS j
+SET status = 'running',
+    attempts = j.attempts + 1,
+    lease_token = gen_random_uuid(),
+    lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+WHERE j.id = ANY (ARRAY(SELECT id FROM picked WHERE route <> 'broker'))
+RETURNING j.*
+"#;
+
 /// Claims due ready jobs in `(run_at, id)` order in one statement: rows locked
 /// by a concurrent claim are skipped, not waited for. The cost depends on the
 /// batch size and the number of kinds, not on how many jobs are waiting. Each job gets its own
-/// fresh lease token. Jobs routed to the broker are left to broker consumers.
+/// fresh lease token. Jobs routed to the broker are left to broker consumers,
+/// and a kind routed to the broker is not walked at all (a primary-key read
+/// of `almanac.routes`): its ready jobs are the broker consumers' backlog, and
+/// a worker polling past them on every NOTIFY would turn consumer lag into
+/// database load. (A job of such a kind still on the `db` route, enqueued
+/// under a snapshot older than the route change, waits for the relay's
+/// reconcile sweep, which moves it to the broker.)
 pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec<Job>, QueueError> {
     if claim.limit <= 0 || claim.kinds.is_empty() {
         return Ok(Vec::new());
     }
-    let jobs = sqlx::query_as::<_, Job>(
-        r#"
-        WITH picked AS (
-            -- Per kind, an ordered walk of jobs_ready_kind_idx that stops at
-            -- LIMIT; then the earliest across kinds. (One scan with
-            -- `kind = ANY($1)` would sort every ready row of those kinds.)
-            -- Rows locked here but not picked are released when this
-            -- one-statement transaction commits.
-            SELECT c.id FROM unnest($1::text[]) AS k(kind)
-            CROSS JOIN LATERAL (
-                SELECT id, run_at FROM almanac.jobs
-                WHERE status = 'ready' AND kind = k.kind AND run_at <= now() AND route <> 'broker'
-                ORDER BY run_at, id
-                LIMIT $2
-                FOR UPDATE SKIP LOCKED
-            ) AS c
-            ORDER BY c.run_at, c.id
-            LIMIT $2
-        )
-        UPDATE almanac.jobs AS j
-        SET status = 'running',
-            attempts = j.attempts + 1,
-            lease_token = gen_random_uuid(),
-            lease_until = clock_timestamp() + $3 * interval '1 millisecond'
-        FROM picked
-        WHERE j.id = picked.id
-        RETURNING j.*
-        "#,
-    )
-    .bind(claim.kinds)
-    .bind(claim.limit)
-    .bind(millis(claim.lease))
-    .fetch_all(db)
-    .await?;
+    let jobs = sqlx::query_as::<_, Job>(CLAIM_SQL)
+        .bind(claim.kinds)
+        .bind(claim.limit)
+        .bind(millis(claim.lease))
+        .fetch_all(db)
+        .await?;
     Ok(jobs)
 }
 
