@@ -26,11 +26,12 @@
 //! members. On Kafka, every consumer of a group should run every kind routed
 //! to its topic; a consumer that does not is told so at start.
 //!
-//! **Claims end on the server.** A claim gets no answer after `lease / 3`,
-//! and the consumer gives up on it; its connection (a pool of its own, see
-//! [`crate::db::bounded_pool`]) has the same `statement_timeout` and
-//! `lock_timeout`, so an abandoned claim rolls back instead of committing a
-//! lease nobody holds.
+//! **Claims end on the server.** A claim that gets no answer within
+//! `lease / 3` of being sent is given up (the message is not acked); its
+//! connection (a pool of its own, see [`crate::db::bounded_pool`], waited for
+//! apart) has a `statement_timeout` and `lock_timeout` of `lease / 4`, so a
+//! claim the consumer gave up on has already rolled back on the server
+//! instead of committing a lease nobody holds.
 //!
 //! **Shutdown** (SIGTERM, or the token) is a worker's: stop taking messages,
 //! let running jobs finish within `shutdown_deadline`, then cancel them and
@@ -160,8 +161,11 @@ pub enum Handled {
 
 impl Consumer {
     pub fn new(pool: PgPool, sinks: SinkConfig, config: ConsumerConfig) -> Self {
+        // Statements end on the server a quarter before the client gives up
+        // on them (see `handle`), so one the client abandoned never commits.
         let claims = crate::db::bounded_pool(
             &pool,
+            config.worker.lease / 4,
             config.worker.lease / 3,
             (config.worker.concurrency as u32).saturating_add(1),
         );
@@ -216,12 +220,20 @@ impl Consumer {
         // A claim that gets no answer is abandoned (and the message not
         // acked): should it have committed, its lease expires and the reaper
         // makes the job ready again, with a fresh message.
+        // The connection is waited for apart from the claim, so the claim's
+        // own client deadline (`lease / 3`) starts when it is sent and
+        // outlasts its server-side limit (`lease / 4`).
         let within = self.config.worker.lease / 3;
         let kinds = self.kinds();
-        let claim = queue::claim_by_id(&self.claims, id, &kinds, self.config.worker.lease);
+        let mut conn = tokio::time::timeout(within, self.claims.acquire())
+            .await
+            .map_err(|_| ClaimError::TimedOut(within))?
+            .map_err(QueueError::from)?;
+        let claim = queue::claim_by_id(&mut conn, id, &kinds, self.config.worker.lease);
         let claimed = tokio::time::timeout(within, claim)
             .await
             .map_err(|_| ClaimError::TimedOut(within))??;
+        drop(conn);
         let job = match claimed {
             ClaimById::Claimed(job) => *job,
             ClaimById::Skip => {

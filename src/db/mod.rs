@@ -258,13 +258,14 @@ async fn bound_by(conn: &mut PgConnection, deadline: Duration) -> Result<(), sql
 }
 
 /// A pool of up to `max` connections like `pool`'s (same server, user,
-/// database, application name), each bound by `deadline` as [`Held`]'s is:
-/// for statements whose caller gives up after `deadline` (a broker
-/// consumer's claims), so an abandoned statement rolls back on the server.
-pub fn bounded_pool(pool: &PgPool, deadline: Duration, max: u32) -> PgPool {
+/// database, application name), each bound by `deadline` as [`Held`]'s is,
+/// and waited for at most `acquire`: for statements whose caller gives up
+/// some time after `deadline` (a broker consumer's claims), so a statement
+/// it abandoned has already rolled back on the server.
+pub fn bounded_pool(pool: &PgPool, deadline: Duration, acquire: Duration, max: u32) -> PgPool {
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max.max(1))
-        .acquire_timeout(deadline)
+        .acquire_timeout(acquire)
         .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline)))
         .connect_lazy_with((*pool.connect_options()).clone())
 }

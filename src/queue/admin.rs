@@ -47,8 +47,26 @@ pub async fn list<'e>(db: impl PgExecutor<'e>, filter: &JobFilter) -> Result<Vec
 /// refused with [`QueueError::Superseded`].
 pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
     let mut tx = conn.begin().await?;
+    match retry_in(&mut tx, id).await {
+        Ok(job) => {
+            tx.commit().await?;
+            Ok(job)
+        }
+        Err(err) => {
+            // Rolled back now, not when the connection is next used: the
+            // job's row lock must not outlive the refusal.
+            let _ = tx.rollback().await;
+            Err(err)
+        }
+    }
+}
+
+async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
+    // The job row first, then its ledger row: the janitor's delete of a job
+    // locks them in that order too (its `ON DELETE SET NULL`), so the two
+    // never deadlock.
     let run: Option<(Option<String>, Option<String>)> =
-        sqlx::query_as("SELECT schedule, logical_run FROM almanac.jobs WHERE id = $1")
+        sqlx::query_as("SELECT schedule, logical_run FROM almanac.jobs WHERE id = $1 FOR UPDATE")
             .bind(id)
             .fetch_optional(&mut *tx)
             .await?;
@@ -74,7 +92,7 @@ pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> 
         }
     }
     let job = transition(
-        &mut tx,
+        &mut *tx,
         id,
         JobStatus::Dead,
         "retry",
@@ -87,7 +105,6 @@ pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> 
         .bind(&job.kind)
         .execute(&mut *tx)
         .await?;
-    tx.commit().await?;
     Ok(job)
 }
 

@@ -250,9 +250,13 @@ pub async fn retry_dead_matching(
     let mut retried = 0u64;
     for chunk in ids.chunks(RETRY_BATCH) {
         let mut tx = conn.begin().await?;
-        // As in [`super::retry`]: the ledger rows of the scheduled ones are
-        // locked first, and an earlier job of a reprocessed run (the ledger
-        // points elsewhere) is left dead.
+        // As in [`super::retry`]: the job rows, then the ledger rows of the
+        // scheduled ones are locked (the janitor's order), and an earlier job
+        // of a reprocessed run (the ledger points elsewhere) is left dead.
+        sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+            .bind(chunk)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "SELECT 1 FROM almanac.schedule_runs r \
              WHERE (r.schedule, r.logical_run) IN \

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::{PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
 
 use super::{Job, JobStatus, QueueError};
@@ -131,7 +131,7 @@ pub enum ClaimById {
 /// `broker` route. A job that would be claimable but for its kind is told
 /// apart ([`ClaimById::OtherKind`]), never skipped.
 pub async fn claim_by_id(
-    db: &PgPool,
+    db: &mut PgConnection,
     id: i64,
     kinds: &[String],
     lease: Duration,
@@ -151,7 +151,7 @@ pub async fn claim_by_id(
     .bind(id)
     .bind(kinds)
     .bind(millis(lease))
-    .fetch_optional(db)
+    .fetch_optional(&mut *db)
     .await?;
     if let Some(job) = claimed {
         return Ok(ClaimById::Claimed(Box::new(job)));

@@ -290,9 +290,12 @@ impl Scheduler {
     }
 
     /// Leads until shutdown, a reload, or the loss of the lock session.
+    /// `awake_since` is when this leadership began (kept across reloads:
+    /// runs that fell due since are never missed, see [`ticker`]).
     async fn lead(
         &self,
         leadership: &mut Leadership,
+        awake_since: &mut Option<DateTime<Utc>>,
         shutdown: &CancellationToken,
         reload: &mut mpsc::Receiver<()>,
     ) -> Ended {
@@ -317,7 +320,6 @@ impl Scheduler {
         let mut skew_warned = false;
         let mut idle_said = false;
         let mut busy_said: HashSet<String> = HashSet::new();
-        let mut awake_since = None;
         loop {
             let now = match leadership.heartbeat().await {
                 Ok(now) => now,
@@ -338,12 +340,17 @@ impl Scheduler {
             }
             // Steps until nothing is due at `now`; after `heartbeat`, back to
             // the heartbeat (a fresh `now`), never sleeping while runs are due.
+            let mut caught_up;
             loop {
                 let step = ticker.step(leadership.conn(), now, awake_since);
-                match tokio::time::timeout(limit, step).await {
+                // The step's statements are bounded on the server (see
+                // `ticker::Budget`); this only catches a connection that no
+                // longer answers at all.
+                match tokio::time::timeout(limit * 2, step).await {
                     Ok(Ok(step)) => {
                         self.deferred(&step, ticker.deferring(), &mut busy_said);
                         self.recorded(step.recorded);
+                        caught_up = !step.more;
                         if !step.more || read_at.elapsed() >= heartbeat {
                             break;
                         }
@@ -353,15 +360,16 @@ impl Scheduler {
                         return Ended::Lost;
                     }
                     Err(_) => {
-                        self.lost(&LeaderLost::Timeout(limit).to_string());
+                        self.lost(&LeaderLost::Timeout(limit * 2).to_string());
                         return Ended::Lost;
                     }
                 }
             }
             // The tick gauge says up to when every due run is recorded: a tick
             // that had to defer a schedule (a busy kind, a step that timed
-            // out) leaves it where it was, so a ticker stuck that way ages it.
-            if !ticker.deferring() {
+            // out) or left runs for the next round leaves it where it was, so
+            // a ticker stuck that way ages it.
+            if caught_up && !ticker.deferring() {
                 self.metrics.record_tick(now);
             }
             let next = ticker.next_wake();
@@ -408,8 +416,11 @@ impl Role for Scheduler {
                     standing_by = false;
                     retry.succeeded();
                     self.gained(&leadership);
+                    let mut awake_since = None;
                     let ended = loop {
-                        match self.lead(&mut leadership, &shutdown, &mut reload).await {
+                        let led =
+                            self.lead(&mut leadership, &mut awake_since, &shutdown, &mut reload);
+                        match led.await {
                             Ended::Reload => self.reload(),
                             other => break other,
                         }

@@ -3,7 +3,7 @@
 //!
 //! - `missing` (the default): the runs with no job, never emitted or
 //!   recorded skipped, get one, as [`super::backfill`] describes.
-//! - `failed`: the runs whose job went `dead` (cancelled ones included) get
+//! - `failed`: the runs whose job went `dead` (a ready job cancelled with `almanac jobs cancel` is `dead` too) get
 //!   a new job; nothing else is touched.
 //! - `all`: every run of the range runs again: a finished job (`done` or
 //!   `dead`) is replaced by a new one, and runs with no job are emitted as

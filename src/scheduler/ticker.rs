@@ -18,9 +18,10 @@
 //!   ([`Budget`]); it starts with [`FIRST_CHUNK`] runs and doubles while full
 //!   steps take under half the target, up to [`MAX_CHUNK`], and halves when
 //!   one takes longer. A step that times out (statement or lock timeout)
-//!   is rolled back, its schedules are tried again [`BUSY_RETRY`] later with a
-//!   quarter of the size, and leadership is kept: only the heartbeat decides
-//!   whether the leader is alive.
+//!   is rolled back and the next is a quarter of the size; its first
+//!   schedule is tried again [`BUSY_RETRY`] later (so one that times out even
+//!   alone holds back no other), and leadership is kept: only the heartbeat
+//!   decides whether the leader is alive.
 //! - *One busy kind holds back only itself.* The route lock of each kind a
 //!   step emits is tried without waiting ([`ledger::busy_kinds`]); schedules
 //!   of a kind whose lock is held (by `almanac route set`, or an open
@@ -58,13 +59,14 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// For a leader timeout `t`: statements end well inside it (`t/2`), lock
-    /// waits sooner (`t/4`), and steps aim at `t/8`.
+    /// For a leader timeout `t`: each statement ends within `t/4` (a step
+    /// has five, so a whole step within the leader's client-side limit of
+    /// `2t` on it), lock waits within `t/8`, and steps aim at `t/8`.
     pub fn for_leader_timeout(t: Duration) -> Budget {
         Budget {
             target: t / 8,
-            statement: t / 2,
-            lock: t / 4,
+            statement: t / 4,
+            lock: t / 8,
         }
     }
 }
@@ -245,14 +247,20 @@ impl Ticker {
             Ok(done) => done,
             Err(err) if err.is_timeout() => {
                 drop(tx);
+                // Smaller next time; and the first due schedule (the one a
+                // step of one run would hold) waits a retry, so a schedule
+                // that times out even alone cannot hold back the others.
                 self.chunk = (self.chunk / 4).max(1);
-                let mut deferred = Vec::new();
-                for entry in self.entries.iter_mut().filter(|e| e.due(now)) {
-                    entry.not_before = Some(now + BUSY_RETRY);
-                    deferred.push(entry.schedule.name.clone());
-                }
+                let first = self.entries.iter_mut().find(|e| e.due(now));
+                let deferred = first
+                    .map(|entry| {
+                        entry.not_before = Some(now + BUSY_RETRY);
+                        vec![entry.schedule.name.clone()]
+                    })
+                    .unwrap_or_default();
                 return Ok(Step {
                     deferred,
+                    more: true,
                     timed_out: true,
                     ..Step::default()
                 });

@@ -220,9 +220,14 @@ async fn rolling_a_broker_kind_back_to_db_hands_its_ready_jobs_to_workers(pool: 
     );
     // The messages still queued would find their jobs claimed: the fence skips them.
     assert!(matches!(
-        queue::claim_by_id(&pool, 1, &kinds, Duration::from_secs(30))
-            .await
-            .unwrap(),
+        queue::claim_by_id(
+            &mut pool.acquire().await.unwrap(),
+            1,
+            &kinds,
+            Duration::from_secs(30)
+        )
+        .await
+        .unwrap(),
         queue::ClaimById::Skip
     ));
 }
