@@ -150,7 +150,18 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
         }
     });
     let report = tokio::select! {
-        report = work => report?,
+        report = work => match report {
+            Ok(report) => report,
+            Err(err) => {
+                if let (Reprocess::All, (done, total, Some(next))) = (args.reprocess, &*reached.borrow()) {
+                    eprintln!();
+                    eprintln!(
+                        "{name}: stopped by an error after {done} of {total} runs; with --reprocess all, running the same command again would run the runs already re-run again: continue with --from {next}, the fire time of the first run not handled"
+                    );
+                }
+                return Err(err.into());
+            }
+        },
         _ = interrupt.recv() => {
             let (done, total, next) = &*reached.borrow();
             eprintln!();
