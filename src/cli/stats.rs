@@ -58,6 +58,20 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             sink.failed
         );
     }
+    for u in &s.unserved {
+        println!(
+            "route {:<16} {} to {}, but no relay for {} is running: its jobs wait in the outbox{}",
+            format!("{}:", u.kind),
+            u.mode,
+            u.sink,
+            u.sink,
+            if u.mode == "broker" {
+                " and nothing runs them"
+            } else {
+                ""
+            }
+        );
+    }
     if !s.schedules.is_empty() {
         println!();
         println!(

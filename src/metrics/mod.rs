@@ -41,6 +41,12 @@ pub struct KindStatusLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindSinkLabel {
+    pub kind: String,
+    pub sink: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindDestinationLabel {
     pub kind: String,
     pub destination: String,
@@ -105,6 +111,7 @@ pub struct Metrics {
     pub scheduler_last_tick: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
+    pub route_unserved: Gauges<KindSinkLabel>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -286,6 +293,12 @@ impl Metrics {
             "Messages this process's consumers could not run (no handler for the job's kind) and gave back unacknowledged",
             consumer_other_kind.clone(),
         );
+        let route_unserved = Gauges::<KindSinkLabel>::default();
+        registry.register(
+            "route_unserved",
+            "1 while a kind is routed (dual or broker) to a sink no relay serves (its outbox rows wait), else 0; from the database",
+            route_unserved.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             jobs,
@@ -315,6 +328,7 @@ impl Metrics {
             scheduler_last_tick,
             schedule_runs,
             consumer_other_kind,
+            route_unserved,
         }
     }
 

@@ -402,7 +402,7 @@ impl Role for Relay {
         // its own, so a database slow to give a connection never holds the
         // drain; polling covers for it meanwhile.
         let mut listener: Option<PgListener> = None;
-        let mut connecting = Some(tokio::spawn(listen(self.pool.clone())));
+        let mut connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
         let mut listen_retry = Retry::reconnect();
         let mut listen_next = Instant::now();
         let mut retry = Retry::new(self.config.retry.base, self.config.retry.max);
@@ -420,7 +420,7 @@ impl Role for Relay {
                 },
                 Some(task) => connecting = Some(task),
                 None if listener.is_none() && Instant::now() >= listen_next => {
-                    connecting = Some(tokio::spawn(listen(self.pool.clone())));
+                    connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
                 }
                 None => {}
             }
@@ -537,11 +537,17 @@ fn record_failed(metrics: &Metrics, sink: SinkKind, row: &FailedRow, job_buried:
 /// A LISTEN connection of its own, or `None` within [`LISTEN_DEADLINE`]
 /// (the relay polls meanwhile and tries again with its own pacing): an
 /// unreachable database cannot hold the relay's loop, nor its shutdown.
-async fn listen(pool: PgPool) -> Option<PgListener> {
+///
+/// Its `application_name` is [`relay_application_name`]: while it is
+/// connected, `stats`, `/metrics` and the dashboard count the sink as served.
+async fn listen(pool: PgPool, sink: SinkKind) -> Option<PgListener> {
+    let options = (*pool.connect_options())
+        .clone()
+        .application_name(&relay_application_name(sink));
     let own = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(LISTEN_DEADLINE)
-        .connect_lazy_with((*pool.connect_options()).clone());
+        .connect_lazy_with(options);
     let connect = async {
         let mut listener = PgListener::connect_with(&own).await.ok()?;
         listener.listen(NOTIFY_CHANNEL).await.ok()?;
@@ -554,6 +560,16 @@ async fn listen(pool: PgPool) -> Option<PgListener> {
 }
 
 const LISTEN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The `application_name` of a relay's LISTEN connection for `sink`: how
+/// the stats tell a sink some relay serves (see
+/// [`crate::stats::snapshot::unserved_routes`]).
+pub fn relay_application_name(sink: SinkKind) -> String {
+    format!("{RELAY_APPLICATION_PREFIX}{sink}")
+}
+
+/// What [`relay_application_name`] puts before the sink.
+pub const RELAY_APPLICATION_PREFIX: &str = "almanac-relay/";
 
 /// One whole re-drive sweep over every candidate (see [`Relay::redrive`],
 /// which spreads a sweep over its rounds).

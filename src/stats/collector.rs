@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use super::snapshot::Snapshot;
 use super::snapshot::{RunFigures, SKIP_REASONS};
 use crate::metrics::{
-    KindLabel, KindStatusLabel, Metrics, ScheduleLabel, ScheduleReasonLabel, SinkLabel,
+    KindLabel, KindSinkLabel, KindStatusLabel, Metrics, ScheduleLabel, ScheduleReasonLabel,
+    SinkLabel,
 };
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
@@ -56,6 +57,8 @@ pub struct Collector {
 
 #[derive(Default)]
 struct Seen {
+    /// Routes once reported unserved: (kind, sink).
+    unserved: BTreeSet<(String, String)>,
     kinds: BTreeSet<String>,
     sinks: BTreeSet<String>,
     schedules: BTreeSet<String>,
@@ -133,6 +136,20 @@ impl Collector {
                 .set(age);
         }
         m.expired_leases.set(s.jobs.expired_leases);
+        seen.unserved
+            .extend(s.unserved.iter().map(|u| (u.kind.clone(), u.sink.clone())));
+        for (kind, sink) in &seen.unserved {
+            let now = s
+                .unserved
+                .iter()
+                .any(|u| &u.kind == kind && &u.sink == sink);
+            m.route_unserved
+                .get_or_create(&KindSinkLabel {
+                    kind: kind.clone(),
+                    sink: sink.clone(),
+                })
+                .set(if now { 1.0 } else { 0.0 });
+        }
         seen.sinks.extend(s.outbox.iter().map(|b| b.sink.clone()));
         for sink in &seen.sinks {
             let row = s.outbox.iter().find(|b| &b.sink == sink);

@@ -53,6 +53,17 @@ pub struct Snapshot {
     pub leader: Option<Leader>,
     /// Each enabled schedule's latest ledger row and how far planning lags.
     pub schedules: Vec<ScheduleState>,
+    /// Kinds routed (dual or broker) to a sink no relay serves right now.
+    pub unserved: Vec<Unserved>,
+}
+
+/// A kind routed to a sink that no running relay serves: its jobs' outbox
+/// rows wait, unpublished (in `broker` mode nothing runs them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct Unserved {
+    pub kind: String,
+    pub mode: String,
+    pub sink: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -146,13 +157,35 @@ impl Snapshot {
         let outbox = outbox::stats(&mut *conn).await?;
         let leader = leader(&mut *conn).await?;
         let schedules = schedules(&mut *conn).await?;
+        let unserved = unserved_routes(&mut *conn).await?;
         Ok(Snapshot {
             jobs,
             outbox,
             leader,
             schedules,
+            unserved,
         })
     }
+}
+
+/// The routes (`dual` or `broker`) whose sink no relay serves: no session
+/// of this database has the relay's LISTEN `application_name` for it
+/// ([`crate::relay::relay_application_name`]). A relay that cannot hold its
+/// LISTEN connection (it polls meanwhile) counts as absent too.
+pub async fn unserved_routes(conn: &mut PgConnection) -> Result<Vec<Unserved>, sqlx::Error> {
+    sqlx::query_as(
+        r#"
+        SELECT r.kind, r.mode, r.sink FROM almanac.routes r
+        WHERE r.mode IN ('dual', 'broker')
+          AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                          WHERE a.datname = current_database()
+                            AND a.application_name = $1 || r.sink)
+        ORDER BY r.kind
+        "#,
+    )
+    .bind(crate::relay::RELAY_APPLICATION_PREFIX)
+    .fetch_all(conn)
+    .await
 }
 
 /// Who holds the advisory lock of [`LEADER_LOCK_KEY`] in this database. A

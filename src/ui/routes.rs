@@ -11,6 +11,7 @@ use super::view::{age, dash, enc, layout, sink_rows};
 use super::{outbox, Page, Ui, UiError};
 use crate::relay::outbox as relay_outbox;
 use crate::relay::routes;
+use crate::stats::snapshot;
 
 const FAILED_ROWS: i64 = 50;
 
@@ -25,9 +26,18 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
         .map(|b| (b.kind.clone(), b))
         .collect();
     let sinks = relay_outbox::stats(&mut *tx).await?;
+    let unserved = snapshot::unserved_routes(&mut tx).await?;
     let failed = outbox::failed(&mut tx, FAILED_ROWS).await?;
     tx.commit().await?;
     let body = html! {
+        @for u in &unserved {
+            p .warn .unserved data-kind=(u.kind) {
+                "Kind " code { (u.kind) } " is routed (" (u.mode) ") to " (u.sink)
+                ", but no relay for " (u.sink) " is running: its jobs wait in the outbox"
+                @if u.mode == "broker" { " and nothing runs them" }
+                ". Start one with " code { "almanac run --roles relay" } " and the " (u.sink) " settings."
+            }
+        }
         @if routes.is_empty() {
             p .muted { "No routes set: every kind runs from the database (mode db). Set one with "
                 code { "almanac route set KIND --mode dual --sink kafka --destination TOPIC" } "." }

@@ -38,5 +38,6 @@ mod scheduler;
 mod schema;
 mod slow_tick;
 mod ui;
+mod unserved;
 mod worker;
 mod worker_faults;

@@ -1372,3 +1372,33 @@ async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
         .ends_with(&format!("/jobs/{job}")));
     c.close().await.unwrap();
 }
+
+/// A kind routed to a sink no relay serves is a warning on `/routes`
+/// (issue #20, item 10); `almanac run --roles reaper,metrics` runs no relay.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_routes_page_warns_of_a_sink_no_relay_serves(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    almanac::relay::routes::set(
+        &mut conn,
+        "mailer",
+        almanac::relay::routes::RouteMode::Dual,
+        Some(almanac::relay::SinkKind::Kafka),
+        Some("mail"),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let (_proc, addr) = serve(&pool, false).await;
+    let page = harness::http::get(&addr, "/routes").await.unwrap();
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body.contains("no relay for kafka is running")
+            && page.body.contains("data-kind=\"mailer\""),
+        "{}",
+        page.body
+    );
+    assert!(
+        !page.body.contains("nothing runs them"),
+        "dual: workers still run them"
+    );
+}
