@@ -30,8 +30,12 @@
 //! `lease / 3` of being sent is given up (the message is not acked); its
 //! connection (a pool of its own, see [`crate::db::bounded_pool`], waited for
 //! apart) has a `statement_timeout` and `lock_timeout` of `lease / 4`, so a
-//! claim the consumer gave up on has already rolled back on the server
-//! instead of committing a lease nobody holds.
+//! claim stuck on the server (behind a lock, say) rolls back before the
+//! consumer gives up on it, instead of committing a lease nobody holds. (A
+//! reply held up in the network for more than `lease / 12`, or a commit
+//! waiting on a synchronous replica, can still commit a claim the consumer
+//! abandoned: its lease then runs out and the reaper makes the job ready
+//! again, with one attempt used.)
 //!
 //! **Shutdown** (SIGTERM, or the token) is a worker's: stop taking messages,
 //! let running jobs finish within `shutdown_deadline`, then cancel them and

@@ -253,7 +253,9 @@ pub async fn retry_dead_matching(
         // As in [`super::retry`]: the job rows, then the ledger rows of the
         // scheduled ones are locked (the janitor's order), and an earlier job
         // of a reprocessed run (the ledger points elsewhere) is left dead.
-        sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+        sqlx::query(
+            "SELECT 1 FROM almanac.jobs WHERE id = ANY($1) AND status = 'dead' ORDER BY id FOR UPDATE",
+        )
             .bind(chunk)
             .execute(&mut *tx)
             .await?;

@@ -47,15 +47,20 @@ fn millis(d: Duration) -> i64 {
 ///   are released when this one-statement transaction commits.
 /// - Kinds routed to the broker are not walked. A job still on the broker
 ///   route of a kind that is not (only between a route change and the
-///   reconcile sweep after an enqueue under an older snapshot) is locked but
-///   not updated.
-/// - The walk is written as a range of `jobs_ready_kind_idx`, `(kind, run_at,
-///   id)` from `(k, -infinity, 0)` up to `(kind, run_at) = (k, now())`: the
-///   same rows as `kind = k AND run_at <= now()`, but with no equality on the
-///   kind `ORDER BY kind, run_at, id` is an order only that index gives. With
-///   the equality and a route filter in the walk, a skewed table (one kind's
-///   broker backlog, few rows of the others) made the planner sort the
-///   kind's rows, or walk `jobs_ready_due_idx` past the backlog.
+///   reconcile sweep after an enqueue under an older snapshot) is passed
+///   over in the walk, taking no slot.
+/// - The walk is a range of `jobs_ready_kind_idx`, `(kind, run_at, id)` from
+///   `(k, -infinity, 0)` up to `(kind, run_at) = (k, now())`, with the
+///   equivalent `kind = k AND run_at <= now()` beside it (the range alone
+///   does not stop the scan at the first row past `now()`, only at the next
+///   kind, so it read every future job of the kind): with the range, `ORDER
+///   BY kind, run_at, id` is an order only that index gives, and a skewed
+///   table (one kind's backlog, few rows of the others) cannot make the
+///   planner walk `jobs_ready_due_idx` past other kinds' rows or sort the
+///   kind's rows. The route is tested as `coalesce(route, '') <> 'broker'`
+///   (`route` is never NULL): an expression without statistics, so the
+///   share of broker rows in the whole table does not make the planner
+///   expect a long walk.
 /// - The update takes the picked ids as an array: primary-key lookups
 ///   whatever the estimates (the generic plan, not knowing the limit,
 ///   hash-joined a scan of the whole table).
@@ -64,15 +69,17 @@ fn millis(d: Duration) -> i64 {
 /// tests find a waiting claim there by its `SKIP LOCKED`.
 pub const CLAIM_SQL: &str = r#"
 WITH picked AS (
-    SELECT c.id, c.route FROM (
+    SELECT c.id FROM (
         SELECT u.kind FROM unnest($1::text[]) AS u(kind)
         WHERE NOT EXISTS (SELECT 1 FROM almanac.routes r WHERE r.kind = u.kind AND r.mode = 'broker')
     ) AS k
     CROSS JOIN LATERAL (
-        SELECT id, run_at, route FROM almanac.jobs
+        SELECT id, run_at FROM almanac.jobs
         WHERE status = 'ready'
           AND (kind, run_at, id) >= (k.kind, '-infinity'::timestamptz, 0)
           AND (kind, run_at) <= (k.kind, now())
+          AND kind = k.kind AND run_at <= now()
+          AND coalesce(route, '') <> 'broker'
         ORDER BY kind, run_at, id
         LIMIT $2
         FOR UPDATE SKIP LOCKED
@@ -85,7 +92,7 @@ SET status = 'running',
     attempts = j.attempts + 1,
     lease_token = gen_random_uuid(),
     lease_until = clock_timestamp() + $3 * interval '1 millisecond'
-WHERE j.id = ANY (ARRAY(SELECT id FROM picked WHERE route <> 'broker'))
+WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING j.*
 "#;
 

@@ -24,7 +24,8 @@
 //! with [`Leadership::heartbeat`], which reads the database's `now()` (the
 //! only clock the scheduler plans by), and checks that the same backend still
 //! holds the lock. Every statement on the session also runs under a client
-//! timeout of T, so a leader on a frozen or partitioned connection gives up
+//! timeout of T (a tick's recording step, several statements each bounded
+//! on the server by T/4, under one of 2T: see [`super::ticker`]), so a leader on a frozen or partitioned connection gives up
 //! on its own within T: any failure or timeout ends the leadership at once
 //! (the connection is dropped, nothing more is written) and the scheduler
 //! goes back to standing by.

@@ -209,13 +209,30 @@ impl Scheduler {
         self.leading.clone()
     }
 
-    fn reload(&mut self) {
+    /// Reloads the files; returns the schedules that are new or whose
+    /// definition changed (their runs since the reload are judged from it,
+    /// not from when the leadership began: see [`ticker::Ticker::judge_from`]).
+    fn reload(&mut self) -> HashSet<String> {
         match spec::load_dir(&self.config.schedules_dir) {
             Ok(schedules) => {
                 info!(schedules = schedules.len(), "schedules reloaded");
+                let fresh = schedules
+                    .iter()
+                    .filter(|s| {
+                        !self
+                            .schedules
+                            .iter()
+                            .any(|old| old.name == s.name && old.definition() == s.definition())
+                    })
+                    .map(|s| s.name.clone())
+                    .collect();
                 self.schedules = schedules;
+                fresh
             }
-            Err(err) => error!("schedule reload rejected; keeping the previous set:\n{err}"),
+            Err(err) => {
+                error!("schedule reload rejected; keeping the previous set:\n{err}");
+                HashSet::new()
+            }
         }
     }
 
@@ -296,6 +313,7 @@ impl Scheduler {
         &self,
         leadership: &mut Leadership,
         awake_since: &mut Option<DateTime<Utc>>,
+        fresh: &mut HashSet<String>,
         shutdown: &CancellationToken,
         reload: &mut mpsc::Receiver<()>,
     ) -> Ended {
@@ -330,6 +348,10 @@ impl Scheduler {
             };
             let read_at = Instant::now();
             let awake_since = *awake_since.get_or_insert(now);
+            if !fresh.is_empty() {
+                ticker.judge_from(fresh, now);
+                fresh.clear();
+            }
             let skew = self.host_now() - now;
             if !skew_warned && skew.abs() > chrono::Duration::seconds(2) {
                 skew_warned = true;
@@ -417,11 +439,17 @@ impl Role for Scheduler {
                     retry.succeeded();
                     self.gained(&leadership);
                     let mut awake_since = None;
+                    let mut fresh = HashSet::new();
                     let ended = loop {
-                        let led =
-                            self.lead(&mut leadership, &mut awake_since, &shutdown, &mut reload);
+                        let led = self.lead(
+                            &mut leadership,
+                            &mut awake_since,
+                            &mut fresh,
+                            &shutdown,
+                            &mut reload,
+                        );
                         match led.await {
-                            Ended::Reload => self.reload(),
+                            Ended::Reload => fresh = self.reload(),
                             other => break other,
                         }
                     };
@@ -452,7 +480,9 @@ impl Role for Scheduler {
             };
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                Some(()) = reload.recv() => self.reload(),
+                Some(()) = reload.recv() => {
+                    self.reload();
+                }
                 _ = tokio::time::sleep(pause) => {}
             }
         }

@@ -85,6 +85,9 @@ struct Entry {
     disabled: Vec<Spell>,
     /// Not tried before this (its last step could not run).
     not_before: Option<DateTime<Utc>>,
+    /// Lateness is judged from here rather than the leader's start (the
+    /// definition was new or changed at a reload).
+    awake: Option<DateTime<Utc>>,
 }
 
 impl Entry {
@@ -178,6 +181,7 @@ impl Ticker {
                     next,
                     disabled,
                     not_before: None,
+                    awake: None,
                 }
             })
             .collect();
@@ -199,6 +203,21 @@ impl Ticker {
             .filter(|e| e.schedule.enabled)
             .filter_map(Entry::wake)
             .min()
+    }
+
+    /// Judges the lateness of the named schedules' runs from `at` rather
+    /// than from when the leadership began: a schedule new or changed at a
+    /// reload (a daily schedule made minutely, say) did not have the runs its
+    /// new definition gives before `at` planned on time, so those go through
+    /// its catch-up policy.
+    pub fn judge_from(&mut self, names: &std::collections::HashSet<String>, at: DateTime<Utc>) {
+        for entry in self
+            .entries
+            .iter_mut()
+            .filter(|e| names.contains(&e.schedule.name))
+        {
+            entry.awake = Some(at);
+        }
     }
 
     /// Some schedule waits for a retry (its kind was busy, or its step timed out).
@@ -311,7 +330,6 @@ impl Ticker {
             .filter_map(|e| e.next.as_ref().map(|n| n.fire_at))
             .min();
         let paused = controls::pause_spells(&mut *tx, &self.names, earliest).await?;
-        let seen = awake_since.min(now);
         let mut batch: Vec<(usize, Planned)> = Vec::new();
         let mut advanced: Vec<(usize, Option<Run>)> = Vec::new();
         let mut more = false;
@@ -333,7 +351,10 @@ impl Ticker {
                 plan::classify(
                     &entry.schedule,
                     runs,
-                    seen,
+                    entry
+                        .awake
+                        .map_or(awake_since, |a| a.max(awake_since))
+                        .min(now),
                     self.grace,
                     complete,
                     &entry.disabled,

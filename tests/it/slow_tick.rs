@@ -229,3 +229,33 @@ async fn a_held_route_lock_delays_only_its_kind_and_costs_no_leadership(pool: Pg
     .await;
     assert_eq!(skipped, 0, "no run judged missed");
 }
+
+/// A schedule whose definition changed at a reload (daily made minutely)
+/// does not get every run its new definition gives since its last planned
+/// run as on-time ticks: those are judged from the reload, through its
+/// catch-up policy.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_schedule_changed_at_a_reload_is_judged_from_the_reload(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let daily = "[s]\ncron = \"0 3 * * *\"\ncatchup = \"none\"\n";
+    let mut ticker = Ticker::load(&mut conn, schedules(daily), GRACE)
+        .await
+        .unwrap();
+    let first = ticker.next_wake().unwrap();
+    let awake = first - chrono::Duration::seconds(30);
+    ticker.step(&mut conn, first, awake).await.unwrap();
+    // Six hours later the file says minutely, and the leader reloads.
+    let reload = first + chrono::Duration::hours(6);
+    let minutely = "[s]\ncron = \"* * * * *\"\ncatchup = \"none\"\n";
+    let mut ticker = Ticker::load(&mut conn, schedules(minutely), GRACE)
+        .await
+        .unwrap();
+    ticker.judge_from(&["s".to_string()].into_iter().collect(), reload);
+    let step = ticker.step(&mut conn, reload, awake).await.unwrap();
+    assert_eq!(
+        (step.recorded.emitted, step.recorded.skipped_catchup),
+        (2, 358),
+        "only the runs within the minute's grace (due now and a minute ago); the six hours \
+         before the reload were never planned as minutely"
+    );
+}
