@@ -112,6 +112,7 @@ pub struct Metrics {
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
     pub route_unserved: Gauges<KindSinkLabel>,
+    pub relay_notifications: Family<SinkLabel, Counter>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -299,6 +300,12 @@ impl Metrics {
             "1 while a kind is routed (dual or broker) to a sink no relay serves (its outbox rows wait), else 0; from the database",
             route_unserved.clone(),
         );
+        let relay_notifications = Family::<SinkLabel, Counter>::default();
+        registry.register(
+            "relay_notifications",
+            "Outbox notifications this process's relays read (they are read even while a sink fails)",
+            relay_notifications.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             jobs,
@@ -329,6 +336,7 @@ impl Metrics {
             schedule_runs,
             consumer_other_kind,
             route_unserved,
+            relay_notifications,
         }
     }
 
@@ -406,6 +414,15 @@ impl Metrics {
 
     pub fn record_leadership(&self, leading: bool) {
         self.scheduler_leader.set(i64::from(leading));
+    }
+
+    /// An outbox notification a relay of `sink_name` read.
+    pub fn record_relay_notification(&self, sink_name: &str) {
+        self.relay_notifications
+            .get_or_create(&SinkLabel {
+                sink: sink_name.to_string(),
+            })
+            .inc();
     }
 
     /// A message of `kind` on `destination` that a consumer had no handler for.

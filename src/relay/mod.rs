@@ -400,8 +400,9 @@ impl Role for Relay {
         info!(%sink, "relay started");
         // LISTEN is set up (and retried, with its own pacing) in a task of
         // its own, so a database slow to give a connection never holds the
-        // drain; polling covers for it meanwhile.
-        let mut listener: Option<PgListener> = None;
+        // drain; polling covers for it meanwhile. Once up, another task reads
+        // it without pause ([`Drainer`]).
+        let mut drainer: Option<Drainer> = None;
         let mut connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
         let mut listen_retry = Retry::reconnect();
         let mut listen_next = Instant::now();
@@ -410,16 +411,22 @@ impl Role for Relay {
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
+            if drainer.as_ref().is_some_and(|d| d.task.is_finished()) {
+                // sqlx could not reconnect it: set up again, paced, below.
+                warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
+                drainer = None;
+                listen_next = Instant::now() + listen_retry.failed();
+            }
             match connecting.take() {
                 Some(task) if task.is_finished() => match task.await.ok().flatten() {
                     Some(l) => {
-                        listener = Some(l);
+                        drainer = Some(Drainer::start(l, sink, self.metrics.clone()));
                         listen_retry.succeeded();
                     }
                     None => listen_next = Instant::now() + listen_retry.failed(),
                 },
                 Some(task) => connecting = Some(task),
-                None if listener.is_none() && Instant::now() >= listen_next => {
+                None if drainer.is_none() && Instant::now() >= listen_next => {
                     connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
                 }
                 None => {}
@@ -437,28 +444,25 @@ impl Role for Relay {
                 }
             };
             let failing = retry.failures() > 0;
-            // `true` when the LISTEN connection broke (sqlx could not
-            // reconnect it): it is set up again, paced, by the branch above.
+            // While the sink fails, the retry's pause paces the drain, and
+            // notifications (still read, see `Drainer`) do not cut it short.
             let woken = async {
-                match listener.as_mut() {
-                    Some(l) => l.recv().await.is_err(),
+                match drainer.as_ref() {
+                    Some(d) => d.wake.notified().await,
                     None => std::future::pending().await,
                 }
             };
-            let mut broke = false;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = sleep(pause) => {}
-                lost = woken, if !failing => broke = lost,
-            }
-            if broke {
-                warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
-                listener = None;
-                listen_next = Instant::now() + listen_retry.failed();
+                _ = woken, if !failing => {}
             }
         }
         if let Some(task) = connecting {
             task.abort();
+        }
+        if let Some(d) = drainer {
+            d.task.abort();
         }
         // Bounded: a broker that stopped answering cannot hold the shutdown.
         if tokio::time::timeout(Duration::from_secs(10), self.publisher.flush())
@@ -560,6 +564,34 @@ async fn listen(pool: PgPool, sink: SinkKind) -> Option<PgListener> {
 }
 
 const LISTEN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The relay's LISTEN connection, read without pause by a task of its own,
+/// whatever the relay is doing (publishing, waiting out a failing sink's
+/// backoff). PostgreSQL's notification queue is one for the whole cluster,
+/// and its tail moves only when every listening session has read what was
+/// sent to it: a listener left unread holds the tail back, and once the
+/// queue is full every transaction that notifies fails at commit (every
+/// enqueue, and other applications on the cluster). Notifications only wake
+/// the relay: any number of them between two drains is one wake.
+struct Drainer {
+    task: JoinHandle<()>,
+    wake: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Drainer {
+    fn start(mut listener: PgListener, sink: SinkKind, metrics: Metrics) -> Drainer {
+        let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+        let waker = wake.clone();
+        let task = tokio::spawn(async move {
+            // Ends when sqlx cannot reconnect the listener.
+            while listener.recv().await.is_ok() {
+                metrics.record_relay_notification(sink.as_str());
+                waker.notify_one();
+            }
+        });
+        Drainer { task, wake }
+    }
+}
 
 /// The `application_name` of a relay's LISTEN connection for `sink`: how
 /// the stats tell a sink some relay serves (see

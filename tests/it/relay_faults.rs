@@ -540,3 +540,101 @@ async fn rabbitmq_rows_whose_destination_cannot_be_created_fail_after_max_attemp
         .await;
     let _ = conn.close(200, "done").await;
 }
+
+/// The relay reads its notifications while its sink fails (issue #20,
+/// item 6): a listener left unread holds back PostgreSQL's cluster-wide
+/// notification queue, and once it is full every transaction that notifies
+/// fails at commit. With RabbitMQ cut, 300 enqueues (each its own
+/// transaction, so 300 notifications) are all read while publishing still
+/// fails; once RabbitMQ is back every job is published.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(pool: PgPool) {
+    use almanac::metrics::{Metrics, SinkLabel};
+    use almanac::role::Role;
+    use tokio_util::sync::CancellationToken;
+    let target = "127.0.0.1:5672".parse().unwrap();
+    let mut proxy = Proxy::start(target).await;
+    let sinks = SinkConfig {
+        amqp_url: Some(format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port)),
+        ack_timeout: Duration::from_secs(2),
+        ..brokers::sinks()
+    };
+    proxy.cut();
+    let destination = brokers::unique("noisy");
+    let mut conn = pool.acquire().await.unwrap();
+    almanac::relay::routes::set(
+        &mut conn,
+        "noisy",
+        almanac::relay::routes::RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    let metrics = Metrics::new();
+    let stop = CancellationToken::new();
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap(),
+        brokers::relay_config().validated().unwrap(),
+    )
+    .with_metrics(metrics.clone());
+    let relay = tokio::spawn(relay.run(stop.clone()));
+    let label = SinkLabel {
+        sink: "rabbitmq".into(),
+    };
+    let read = || metrics.relay_notifications.get_or_create(&label).get();
+    eventually("the relay listening", Duration::from_secs(30), || async {
+        let mut conn = pool.acquire().await.unwrap();
+        almanac::stats::snapshot::unserved_routes(&mut conn)
+            .await
+            .unwrap()
+            .is_empty()
+    })
+    .await;
+    let before = read();
+    for _ in 0..300 {
+        queue::enqueue(&mut conn, &NewJob::new("noisy"))
+            .await
+            .unwrap();
+    }
+    eventually(
+        "300 notifications read while the sink fails",
+        Duration::from_secs(30),
+        || async {
+            let n = read() - before;
+            if n >= 300 {
+                Ok(())
+            } else {
+                Err(format!("{n} read"))
+            }
+        },
+    )
+    .await;
+    assert!(
+        metrics.relay_failed.get_or_create(&label).get() > 0,
+        "the sink was failing meanwhile"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox_batches WHERE published_at IS NOT NULL"
+        )
+        .await,
+        0,
+        "nothing published through a cut link"
+    );
+
+    proxy.restore().await;
+    eventually("every job published once RabbitMQ is back", Duration::from_secs(60), || async {
+        count(
+            &pool,
+            "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
+        )
+        .await
+            >= 300
+    })
+    .await;
+    stop.cancel();
+    relay.await.unwrap().unwrap();
+}
