@@ -115,11 +115,14 @@ impl RelayFlags {
             ..d
         };
         let config = config.validated().map_err(super::invalid)?;
-        if config.in_flight_lease <= sinks.ack_timeout {
+        let needed = crate::relay::in_flight_bound(sinks.ack_timeout);
+        if config.in_flight_lease <= needed {
             bail!(
-                "--in-flight-lease ({:?}) must be longer than --ack-timeout ({:?}): a batch still waiting for acks would be claimed again",
+                "--in-flight-lease ({:?}) must be longer than {:?} with --ack-timeout {:?} (three ack timeouts and {:?}: a pipelined batch waits for the one before it, then for room to send, then for its acks, then is marked); shorter, a batch still in flight would be claimed again and sent twice. Raise --in-flight-lease or lower --ack-timeout",
                 config.in_flight_lease,
-                sinks.ack_timeout
+                needed,
+                sinks.ack_timeout,
+                crate::relay::IN_FLIGHT_MARGIN,
             );
         }
         Ok(config)

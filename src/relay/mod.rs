@@ -593,6 +593,19 @@ impl Drainer {
     }
 }
 
+/// Beyond three ack timeouts, what a batch in flight may still take (the
+/// Kafka delivery reports' grace, and the mark).
+pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
+
+/// How long a claimed batch can be in flight with `ack_timeout`: it waits
+/// for the batch before it (pipelined: up to one ack timeout), for room to
+/// send or a connection (one more), for its acknowledgements (one more),
+/// and is marked. `--in-flight-lease` must be longer, or a batch still in
+/// flight is claimed again and its messages go out twice.
+pub fn in_flight_bound(ack_timeout: Duration) -> Duration {
+    ack_timeout * 3 + IN_FLIGHT_MARGIN
+}
+
 /// The `application_name` of a relay's LISTEN connection for `sink`: how
 /// the stats tell a sink some relay serves (see
 /// [`crate::stats::snapshot::unserved_routes`]).

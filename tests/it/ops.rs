@@ -594,7 +594,7 @@ async fn bad_operations_settings_fail_the_start_with_the_setting_named(pool: PgP
                 "127.0.0.1:9092",
             ],
             Some("[relay]\nin_flight_lease = \"5s\"\n"),
-            "--in-flight-lease (5s) must be longer than --ack-timeout (10s)",
+            "--in-flight-lease (5s) must be longer than 40s with --ack-timeout 10s",
         ),
         (
             &[
