@@ -154,13 +154,16 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         ),
     };
     let collector = collector.validated().map_err(super::invalid)?;
-    let relay = args.relay.resolve(ctx, &sinks)?;
+    let relay = args.relay.resolve(ctx)?;
     let scheduler = if wants(RoleName::Scheduler) {
         Some(scheduler(ctx, &args)?)
     } else {
         None
     };
     let publishers = if wants(RoleName::Relay) {
+        if !sinks.configured().is_empty() {
+            super::sinks::check_in_flight(&relay, &sinks)?;
+        }
         sinks
             .configured()
             .into_iter()

@@ -89,7 +89,7 @@ pub struct RelayFlags {
 impl RelayFlags {
     /// The relay's settings: these flags, then `[relay]` in the config
     /// file, then the defaults; validated against `sinks`.
-    pub fn resolve(&self, ctx: &Ctx, sinks: &SinkConfig) -> anyhow::Result<Valid<RelayConfig>> {
+    pub fn resolve(&self, ctx: &Ctx) -> anyhow::Result<Valid<RelayConfig>> {
         let file = &ctx.config.relay;
         let d = RelayConfig::default();
         let config = RelayConfig {
@@ -114,7 +114,14 @@ impl RelayFlags {
             redrive_after: pick(self.redrive_after, file.redrive_after, d.redrive_after),
             ..d
         };
-        let config = config.validated().map_err(super::invalid)?;
+        config.validated().map_err(super::invalid)
+    }
+}
+
+/// Refuses an `--in-flight-lease` no longer than [`crate::relay::in_flight_bound`]
+/// of the ack timeout; checked only where a relay runs.
+pub fn check_in_flight(config: &RelayConfig, sinks: &SinkConfig) -> anyhow::Result<()> {
+    {
         let needed = crate::relay::in_flight_bound(sinks.ack_timeout);
         if config.in_flight_lease <= needed {
             bail!(
@@ -125,8 +132,8 @@ impl RelayFlags {
                 crate::relay::IN_FLIGHT_MARGIN,
             );
         }
-        Ok(config)
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -154,10 +161,28 @@ mod tests {
 
     #[test]
     fn the_relay_batch_size_is_the_flag_then_the_file_then_500() {
-        let sinks = SinkConfig::default();
-        let batch = |flag, file| flags(flag).resolve(&ctx(file), &sinks).unwrap().batch_size;
+        let batch = |flag, file| flags(flag).resolve(&ctx(file)).unwrap().batch_size;
         assert_eq!(batch(Some(40), Some(70)), 40);
         assert_eq!(batch(None, Some(70)), 70);
         assert_eq!(batch(None, None), 500);
+    }
+
+    #[test]
+    fn the_in_flight_lease_must_outlast_three_ack_timeouts_and_the_margin() {
+        let sinks = SinkConfig::default(); // ack timeout 10 s: at least 40 s
+        let lease = |secs| RelayConfig {
+            in_flight_lease: std::time::Duration::from_secs(secs),
+            ..RelayConfig::default()
+        };
+        assert!(
+            check_in_flight(&lease(60), &sinks).is_ok(),
+            "the defaults pass"
+        );
+        let refused = check_in_flight(&lease(40), &sinks).unwrap_err().to_string();
+        assert!(
+            refused
+                .contains("--in-flight-lease (40s) must be longer than 40s with --ack-timeout 10s"),
+            "{refused}"
+        );
     }
 }

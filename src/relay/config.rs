@@ -20,7 +20,8 @@ pub struct RelayConfig {
     /// paces the relay after a failed batch.
     pub retry: Backoff,
     /// How long a claimed row stays with the relay that claimed it; must be
-    /// longer than publishing a batch takes (the ack timeout and then some).
+    /// longer than publishing a batch takes (`almanac run` requires more
+    /// than [`super::in_flight_bound`] of the ack timeout).
     pub in_flight_lease: Duration,
     /// Tries after which an unroutable row is marked failed.
     pub max_publish_attempts: i32,

@@ -578,15 +578,34 @@ struct Drainer {
     wake: std::sync::Arc<tokio::sync::Notify>,
 }
 
+impl Drop for Drainer {
+    /// With the relay (however its future ends): its LISTEN session must not
+    /// outlive it, or the sink would still count as served.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 impl Drainer {
     fn start(mut listener: PgListener, sink: SinkKind, metrics: Metrics) -> Drainer {
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
         let waker = wake.clone();
         let task = tokio::spawn(async move {
-            // Ends when sqlx cannot reconnect the listener.
-            while listener.recv().await.is_ok() {
-                metrics.record_relay_notification(sink.as_str());
-                waker.notify_one();
+            // Ends when sqlx cannot reconnect the listener. Notifications
+            // for another sink's relays are read (so they do not pile up)
+            // but wake nothing here.
+            loop {
+                match listener.recv().await {
+                    Ok(n) if n.payload() == sink.as_str() => {
+                        metrics.record_relay_notification(sink.as_str());
+                        waker.notify_one();
+                    }
+                    Ok(_) => {}
+                    Err(err) => {
+                        warn!(%sink, %err, "the relay's LISTEN connection failed");
+                        return;
+                    }
+                }
             }
         });
         Drainer { task, wake }
@@ -597,11 +616,17 @@ impl Drainer {
 /// Kafka delivery reports' grace, and the mark).
 pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
 
-/// How long a claimed batch can be in flight with `ack_timeout`: it waits
-/// for the batch before it (pipelined: up to one ack timeout), for room to
-/// send or a connection (one more), for its acknowledgements (one more),
-/// and is marked. `--in-flight-lease` must be longer, or a batch still in
-/// flight is claimed again and its messages go out twice.
+/// The least `--in-flight-lease` must exceed with `ack_timeout`: a claimed
+/// batch waits for the batch before it (pipelined: up to one ack timeout),
+/// for room to send or a connection (one more), for its acknowledgements
+/// (one more), and is marked. **Not an upper bound:** setting up
+/// destinations (a topic creation or a RabbitMQ reconnect per destination,
+/// each up to an ack timeout), the Kafka delivery reports' grace on two
+/// batches, and RabbitMQ waits without a deadline (a publisher blocked by a
+/// broker alarm) can keep a batch longer; its rows are then claimed again
+/// and their messages go out twice (the marks are fenced by token, so
+/// nothing is lost). A per-batch deadline or renewing the lease of batches
+/// in flight is the fix, not built yet (issue #20, items 5 and 9).
 pub fn in_flight_bound(ack_timeout: Duration) -> Duration {
     ack_timeout * 3 + IN_FLIGHT_MARGIN
 }
