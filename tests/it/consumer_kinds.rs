@@ -6,46 +6,16 @@
 
 use std::time::Duration;
 
-use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::metrics::{KindDestinationLabel, Metrics};
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
 use almanac::role::{Role, Settings};
-use almanac::worker::WorkerConfig;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers::{self, unique};
 use crate::harness::{self, count, eventually};
-
-fn consumer(
-    pool: &PgPool,
-    sink: SinkKind,
-    destination: &str,
-    kinds: &[&str],
-    log: PgPool,
-) -> Consumer {
-    let config = ConsumerConfig {
-        sink,
-        destination: destination.to_string(),
-        group: None,
-        worker: WorkerConfig {
-            concurrency: 4,
-            batch_size: 4,
-            lease: Duration::from_secs(10),
-            poll_interval: Duration::from_millis(50),
-            shutdown_deadline: Duration::from_secs(5),
-            ..WorkerConfig::default()
-        }
-        .validated()
-        .unwrap(),
-    };
-    kinds.iter().fold(
-        Consumer::new(pool.clone(), brokers::sinks(), config),
-        |consumer, kind| consumer.register(*kind, harness::logging_handler(log.clone(), 1)),
-    )
-}
 
 async fn jobs(pool: &PgPool, kind: &str, status: &str) -> i64 {
     count(
@@ -87,8 +57,8 @@ async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKin
     let relay = tokio::spawn(relay.run(stop.clone()));
 
     let metrics = Metrics::new();
-    let only_a =
-        consumer(&pool, sink, &destination, &["a"], log.clone()).with_metrics(metrics.clone());
+    let only_a = brokers::consumer(&pool, sink, &destination, &["a"], log.clone())
+        .with_metrics(metrics.clone());
     let only_a = tokio::spawn(only_a.run(stop.clone()));
     let unhandled = || {
         metrics
@@ -128,7 +98,7 @@ async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKin
     // RabbitMQ's `a`-only consumer puts each `b` message back at the tail of
     // the queue, where the newcomer takes it; Kafka's steps out of the group
     // and the newcomer takes its partitions.
-    let with_b = consumer(&pool, sink, &destination, &["a", "b"], log.clone());
+    let with_b = brokers::consumer(&pool, sink, &destination, &["a", "b"], log.clone());
     let with_b = tokio::spawn(with_b.run(stop.clone()));
     eventually(
         "every job done once a b consumer runs",

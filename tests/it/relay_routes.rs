@@ -4,38 +4,16 @@
 
 use std::time::Duration;
 
-use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::queue::{self, NewJob};
 use almanac::relay::outbox;
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
 use almanac::role::{Role, Settings};
-use almanac::worker::WorkerConfig;
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers::{self, unique};
 use crate::harness::{self, count, eventually};
-
-fn consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
-    let config = ConsumerConfig {
-        sink,
-        destination: destination.to_string(),
-        group: None,
-        worker: WorkerConfig {
-            concurrency: 4,
-            batch_size: 4,
-            lease: Duration::from_secs(10),
-            poll_interval: Duration::from_millis(50),
-            shutdown_deadline: Duration::from_secs(5),
-            ..WorkerConfig::default()
-        }
-        .validated()
-        .unwrap(),
-    };
-    Consumer::new(pool.clone(), brokers::sinks(), config)
-        .register("task", harness::logging_handler(log, 1))
-}
 
 async fn ensure(sink: SinkKind, destination: &str) {
     let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
@@ -71,7 +49,8 @@ async fn drain_and_run(pool: &PgPool, sink: SinkKind, destination: &str, jobs: i
         brokers::relay_config().validated().unwrap(),
     );
     let relay = tokio::spawn(relay.run(stop.clone()));
-    let consumer = tokio::spawn(consumer(pool, sink, destination, log).run(stop.clone()));
+    let consumer =
+        tokio::spawn(brokers::consumer(pool, sink, destination, &["task"], log).run(stop.clone()));
     eventually("every job done", Duration::from_secs(120), || async {
         count(
             pool,

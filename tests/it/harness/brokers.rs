@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
 
+use almanac::consumer::{Consumer, ConsumerConfig};
 use almanac::relay::{SinkConfig, SinkKind};
+use almanac::role::Settings;
+use almanac::worker::WorkerConfig;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -19,6 +22,7 @@ use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::ClientConfig;
+use sqlx::PgPool;
 
 pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -344,4 +348,35 @@ impl Drop for Tansu {
     fn drop(&mut self) {
         self.down();
     }
+}
+
+/// A consumer of `destination` on `sink` running `kinds`, each execution
+/// logged in `exec_log` through `log` ([`super::logging_handler`]): 4 slots,
+/// a 10 s lease.
+pub fn consumer(
+    pool: &PgPool,
+    sink: SinkKind,
+    destination: &str,
+    kinds: &[&str],
+    log: PgPool,
+) -> Consumer {
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.to_string(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: 4,
+            batch_size: 4,
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        }
+        .validated()
+        .unwrap(),
+    };
+    kinds.iter().fold(
+        Consumer::new(pool.clone(), sinks(), config),
+        |consumer, kind| consumer.register(*kind, super::logging_handler(log.clone(), 1)),
+    )
 }
