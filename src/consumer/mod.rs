@@ -266,19 +266,23 @@ impl Consumer {
     /// handler for (read once, at start; `None` if the database did not say
     /// within a few seconds).
     async fn unhandled_routed_kinds(&self) -> Option<Vec<String>> {
-        let read = sqlx::query_scalar::<_, String>(
-            "SELECT kind FROM almanac.routes \
-             WHERE mode IN ('dual', 'broker') AND sink = $1 AND destination = $2 \
-               AND kind <> ALL($3) ORDER BY kind",
+        let read = async {
+            let mut conn = self.pool.acquire().await.ok()?;
+            crate::relay::routes::list(&mut conn).await.ok()
+        };
+        let routes = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .ok()??;
+        let sink = self.config.sink.as_str();
+        Some(
+            routes
+                .into_iter()
+                .filter(|r| r.mode != "db" && r.sink.as_deref() == Some(sink))
+                .filter(|r| r.destination.as_deref() == Some(self.config.destination.as_str()))
+                .filter(|r| !self.handlers.contains_key(&r.kind))
+                .map(|r| r.kind)
+                .collect(),
         )
-        .bind(self.config.sink.as_str())
-        .bind(&self.config.destination)
-        .bind(self.kinds())
-        .fetch_all(&self.pool);
-        match tokio::time::timeout(Duration::from_secs(5), read).await {
-            Ok(Ok(kinds)) => Some(kinds),
-            _ => None,
-        }
     }
 
     /// Says that a message of `kind` came that this consumer cannot run: a

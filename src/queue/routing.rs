@@ -8,6 +8,33 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor};
 
+/// The advisory lock key of `kind`'s route: every insert of a job takes it
+/// shared (the `jobs_take_route` trigger, whose text must match), `almanac
+/// route set` exclusively, so an enqueue is ordered against a route change.
+pub fn route_lock_key(kind: &str) -> String {
+    format!("almanac.route:{kind}")
+}
+
+/// Of `kinds`, those whose route lock is busy right now (held exclusively
+/// by `almanac route set`, or wanted by it); the others are locked shared
+/// for the rest of the caller's transaction, as the insert trigger would
+/// lock them, but without waiting. The scheduler's leader defers the busy
+/// kinds' runs instead of waiting behind them.
+pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<String>, sqlx::Error> {
+    let keys: Vec<String> = kinds.iter().map(|k| route_lock_key(k)).collect();
+    let busy: Vec<i64> = sqlx::query_scalar(
+        "SELECT i FROM unnest($1::text[]) WITH ORDINALITY AS t(key, i) \
+         WHERE NOT pg_try_advisory_xact_lock_shared(hashtext(key))",
+    )
+    .bind(&keys)
+    .fetch_all(tx)
+    .await?;
+    Ok(busy
+        .into_iter()
+        .map(|i| kinds[i as usize - 1].to_string())
+        .collect())
+}
+
 /// Moves `kind`'s ready and running jobs to `mode`; the outbox trigger
 /// writes rows for ready jobs leaving `db`. Returns how many moved.
 pub async fn move_kind(

@@ -40,6 +40,7 @@ use sqlx::{Connection, PgConnection};
 use super::outbox;
 use crate::broker::SinkKind;
 use crate::queue::routing;
+use crate::queue::routing::route_lock_key as lock_key;
 use crate::retry::Retry;
 
 /// How long `set` waits for the kind's lock by default.
@@ -186,10 +187,6 @@ pub async fn set(
     destination: Option<&str>,
 ) -> Result<RouteChange, RouteError> {
     set_within(conn, kind, mode, sink, destination, DEFAULT_LOCK_TIMEOUT).await
-}
-
-fn lock_key(kind: &str) -> String {
-    format!("almanac.route:{kind}")
 }
 
 /// Changes `kind`'s route in one transaction (see the module doc), waiting

@@ -292,21 +292,6 @@ pub async fn record(
     Ok(report)
 }
 
-/// The kinds of `kinds` whose route lock is busy right now (held
-/// exclusively by `almanac route set`, or wanted by it): the others are
-/// locked shared for the rest of the transaction, as the jobs' insert trigger
-/// would lock them, but without waiting. The leader defers the busy kinds'
-/// runs instead of waiting behind them (see [`super::ticker`]).
-pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<String>, LedgerError> {
-    Ok(sqlx::query_scalar(
-        "SELECT k FROM unnest($1::text[]) AS k \
-         WHERE NOT pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || k))",
-    )
-    .bind(kinds)
-    .fetch_all(tx)
-    .await?)
-}
-
 /// [`record`] inside the caller's transaction `tx`, which commits it.
 pub async fn record_in(
     tx: &mut PgConnection,

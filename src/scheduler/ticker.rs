@@ -23,7 +23,7 @@
 //!   alone holds back no other), and leadership is kept: only the heartbeat
 //!   decides whether the leader is alive.
 //! - *One busy kind holds back only itself.* The route lock of each kind a
-//!   step emits is tried without waiting ([`ledger::busy_kinds`]); schedules
+//!   step emits is tried without waiting ([`routing::busy_kinds`]); schedules
 //!   of a kind whose lock is held (by `almanac route set`, or an open
 //!   transaction waited on by one) keep their next run and are tried again
 //!   [`BUSY_RETRY`] later, while the others are recorded at once.
@@ -38,6 +38,7 @@ use super::ledger::{self, LedgerError, Recorded, Spell};
 use super::plan::{self, Decision, Planned};
 use super::spec::Schedule;
 use super::timeline::Run;
+use crate::queue::routing;
 
 /// Runs recorded in a leader's first step.
 pub const FIRST_CHUNK: usize = 500;
@@ -371,7 +372,7 @@ impl Ticker {
             .collect();
         kinds.sort_unstable();
         kinds.dedup();
-        let busy = ledger::busy_kinds(&mut *tx, &kinds).await?;
+        let busy = routing::busy_kinds(&mut *tx, &kinds).await?;
         let refs: Vec<(&Schedule, &Planned)> = batch
             .iter()
             .map(|(i, p)| (&self.entries[*i].schedule, p))
