@@ -154,7 +154,7 @@ pub(super) async fn run(
                             _ = shutdown.cancelled() => {}
                             _ = tokio::time::sleep(OTHER_KIND_HOLD) => {}
                         }
-                        pass_on(&channel, &queue_name, delivery, ack_timeout, id).await;
+                        pass_on(&channel, &queue_name, delivery, ack_timeout, id, &shutdown).await;
                     }
                     Some(_) => {
                         if let Err(err) = delivery.ack(BasicAckOptions::default()).await {
@@ -194,6 +194,7 @@ async fn pass_on(
     delivery: Delivery,
     ack_timeout: Duration,
     job_id: Option<i64>,
+    shutdown: &CancellationToken,
 ) {
     let copy = async {
         let confirm = channel
@@ -215,7 +216,10 @@ async fn pass_on(
         // Held a while longer with the copy queued: this consumer's prefetch
         // stays taken, so the copy goes to another consumer of the queue if
         // one has room, rather than straight back here.
-        tokio::time::sleep(OTHER_KIND_HOLD).await;
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(OTHER_KIND_HOLD) => {}
+        }
         delivery.ack(BasicAckOptions::default()).await
     } else {
         let requeue = BasicNackOptions {
