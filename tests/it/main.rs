@@ -31,6 +31,7 @@ mod migration;
 mod ops;
 mod queue;
 mod relay;
+mod relay_bounds;
 mod relay_faults;
 mod relay_routes;
 mod reprocess;
