@@ -28,6 +28,13 @@
 //!   once. Such a row is marked failed with its reason and its job, when it is
 //!   a ready `broker` job, goes `dead` with that reason (a `dual` job stays
 //!   for workers). The other rows of the batch are not affected.
+//! - **A batch never outlives its lease.** Everything a batch waits for,
+//!   from its claim to its mark (the batch before it, destination set-up,
+//!   reconnects, writing, acknowledgements), ends by its [`Deadline`]: its
+//!   in-flight lease less the time its mark needs ([`mark_reserve`]). Past
+//!   it the rows not acknowledged are retried ("maybe sent", one more copy
+//!   at most), and a mark that comes after the lease marks nothing, so no
+//!   row is recorded by two batches, whatever the broker does.
 //! - **A blocked broker.** RabbitMQ blocks publishers on a memory or disk
 //!   alarm (`connection.blocked`). The batch it caught fails retriable at
 //!   its deadline; while the block lasts the relay claims nothing (no row
@@ -149,9 +156,10 @@ impl Relay {
         }
     }
 
-    /// When `batch` must be done with the broker.
-    fn deadline(&self, _batch: &Claimed) -> Deadline {
-        Deadline::none()
+    /// When `batch` must be done with the broker: its lease less
+    /// [`mark_reserve`].
+    fn deadline(&self, batch: &Claimed) -> Deadline {
+        Deadline(batch.lease_ends - mark_reserve(self.config.in_flight_lease))
     }
 
     /// Reads whether the broker blocks the publisher: counted in
@@ -663,19 +671,29 @@ impl Drainer {
 /// How often a relay whose broker blocks publishers looks again.
 const BLOCKED_POLL: Duration = Duration::from_millis(500);
 
-/// Beyond three ack timeouts, what a batch in flight may still take (the
-/// Kafka delivery reports' grace, and the mark).
+/// What a batch's mark may take at most: [`mark_reserve`].
+pub const MARK_RESERVE: Duration = Duration::from_secs(5);
+
+/// The end of a batch's in-flight lease kept for its mark: the batch is
+/// done with the broker by then ([`Deadline`]). [`MARK_RESERVE`], or a
+/// quarter of a shorter lease's.
+pub fn mark_reserve(in_flight_lease: Duration) -> Duration {
+    MARK_RESERVE.min(in_flight_lease / 4)
+}
+
+/// Beyond three ack timeouts, what a healthy batch in flight may still
+/// take: the Kafka delivery reports' grace, and [`MARK_RESERVE`].
 pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
 
-/// The least `--in-flight-lease` must exceed with `ack_timeout`: a claimed
-/// batch waits for the batch before it (pipelined: up to one ack timeout),
-/// for room to send or a connection (one more), for its acknowledgements
-/// (one more), and is marked. **Not an upper bound:** setting up
-/// destinations (a topic creation or a RabbitMQ reconnect per destination,
-/// each up to an ack timeout) and the Kafka delivery reports' grace on two
-/// batches can keep a batch longer; its rows are then claimed again
-/// and their messages go out twice (the marks are fenced by token, so
-/// nothing is lost). A per-batch deadline is the fix (issue #20, item 9).
+/// What a batch takes at most while the broker answers every call within
+/// `ack_timeout`, and so what `--in-flight-lease` must exceed: it waits for
+/// the batch before it (pipelined: up to one ack timeout), for room to send
+/// or a connection (one more), for its acknowledgements (one more), and is
+/// marked. The lease itself is the hard bound, whatever the broker does
+/// (destination set-up, reconnects, a broker that stops answering or blocks
+/// publishers): a batch is given up at its [`Deadline`] and a mark after its
+/// lease marks nothing. With a lease shorter than this bound healthy batches
+/// would be given up and sent again.
 pub fn in_flight_bound(ack_timeout: Duration) -> Duration {
     ack_timeout * 3 + IN_FLIGHT_MARGIN
 }

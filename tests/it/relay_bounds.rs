@@ -1,5 +1,6 @@
 //! What bounds the relay whatever the broker does (issue #20): a RabbitMQ
-//! that blocks publishers cannot hang it.
+//! that blocks publishers cannot hang it, and a batch never outlives its
+//! in-flight lease.
 
 use std::collections::HashMap;
 use std::process::{Child, Stdio};
@@ -7,11 +8,13 @@ use std::time::{Duration, Instant};
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
-use almanac::relay::{Publisher, SinkKind};
+use almanac::relay::{Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
+use almanac::role::Settings;
 use sqlx::PgPool;
 
 use crate::harness::brokers::{self, unique, MemoryAlarm};
 use crate::harness::http::{get, sample};
+use crate::harness::proxy::Proxy;
 use crate::harness::{self, count, eventually};
 
 /// Jobs recorded by a published batch (each once, unless marked twice).
@@ -251,4 +254,144 @@ async fn a_rabbitmq_alarm_blocks_the_relay_without_hanging_it(pool: PgPool) {
         );
     }
     assert_eq!(copies.len(), keys.len(), "{copies:?}");
+}
+
+/// Issue #20, item 9. A batch never outlives its in-flight lease, whatever
+/// the broker does: with the broker link frozen mid-batch and an ack
+/// timeout longer than the lease, the relay gives the batch up before its
+/// lease ends (the rows are retried, saying why). Another relay then
+/// publishes them; when the link thaws, the frozen relay's frames arrive
+/// too. No job is lost, none is recorded published twice, none arrives
+/// more than twice.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_batch_held_by_a_frozen_broker_is_given_up_within_its_lease(pool: PgPool) {
+    let lease = Duration::from_secs(3);
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let frozen_link = SinkConfig {
+        amqp_url: Some(format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port)),
+        ack_timeout: Duration::from_secs(8),
+        ..brokers::sinks()
+    };
+    let config = RelayConfig {
+        in_flight_lease: lease,
+        ..brokers::relay_config()
+    };
+    let queue_name = unique("frozen");
+    let mut publisher = Publisher::new(SinkKind::Rabbitmq, &frozen_link).unwrap();
+    publisher.ensure(&queue_name).await.unwrap();
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "held",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some(&queue_name),
+    )
+    .await
+    .unwrap();
+    let mut frozen = Relay::new(pool.clone(), publisher, config.clone().validated().unwrap());
+    enqueue(&pool, "held", "warm", 1).await;
+    assert_eq!(frozen.run_once().await.unwrap().published, 1);
+
+    proxy.freeze();
+    enqueue(&pool, "held", "held", 20).await;
+    let started = Instant::now();
+    let report = frozen.run_once().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < lease,
+        "the batch was held {took:?}, past its {lease:?} lease"
+    );
+    assert_eq!(
+        (report.published, report.retried, report.failed),
+        (0, 20, 0)
+    );
+    let errors: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT last_error FROM almanac.outbox WHERE last_error IS NOT NULL",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with(
+            "gave the batch up at its deadline (maybe sent): its in-flight lease was running out"
+        ),
+        "{errors:?}"
+    );
+
+    let mut direct = Relay::new(
+        pool.clone(),
+        Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap(),
+        config.validated().unwrap(),
+    );
+    let direct = tokio::sync::Mutex::new(&mut direct);
+    eventually(
+        "another relay to publish the rows given up",
+        Duration::from_secs(30),
+        || async {
+            let _ = direct.lock().await.run_once().await;
+            published_jobs(&pool).await == 21
+        },
+    )
+    .await;
+    // The frozen relay dropped its link; once it thaws, what it wrote goes
+    // through, then the link closes.
+    proxy.thaw();
+    proxy.closed().await;
+    drop(frozen);
+    assert_eq!(marked_twice(&pool).await, Vec::<i64>::new());
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.outbox").await, 0);
+    let copies = copies(&queue_name).await;
+    assert_eq!(copies.get("warm:0"), Some(&1), "{copies:?}");
+    for i in 0..20 {
+        let n = copies.get(&format!("held:{i}")).copied().unwrap_or(0);
+        assert!(
+            (1..=2).contains(&n),
+            "held:{i} arrived {n} times: {copies:?}"
+        );
+    }
+    assert_eq!(copies.len(), 21, "{copies:?}");
+}
+
+/// A mark that comes after its batch's lease marks nothing, even when no
+/// claim took the rows again: the lease is the whole time a batch may take.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_mark_after_the_lease_marks_nothing(pool: PgPool) {
+    use almanac::relay::outbox;
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "late",
+        RouteMode::Broker,
+        Some(SinkKind::Kafka),
+        Some("late"),
+    )
+    .await
+    .unwrap();
+    enqueue(&pool, "late", "late", 3).await;
+    let claimed = outbox::claim(&pool, SinkKind::Kafka, 10, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows.len(), 3);
+    eventually("the lease to end", Duration::from_secs(10), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox_batches WHERE lease_until > clock_timestamp()",
+        )
+        .await
+            == 0
+    })
+    .await;
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    let marked = outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+    assert_eq!(marked.published, 0);
+    assert_eq!(published_jobs(&pool).await, 0);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox").await,
+        3,
+        "the rows wait for the next claim"
+    );
+    let again = outbox::claim(&pool, SinkKind::Kafka, 10, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(again.rows.len(), 3, "claimed again");
 }
