@@ -269,3 +269,40 @@ fn too_large(row: &OutboxRow, limit: usize) -> PublishError {
         ),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_ends_at_its_timeout_or_the_deadline_whichever_comes_first() {
+        let now = Instant::now();
+        let soon = Deadline(now + Duration::from_secs(1));
+        assert!(soon.wait(Duration::from_secs(10)) <= now + Duration::from_secs(1));
+        let later = Deadline::none();
+        assert!(later.wait(Duration::from_secs(10)) > now + Duration::from_secs(9));
+        assert!(!later.passed());
+    }
+
+    #[test]
+    fn a_wait_cut_short_by_the_deadline_says_so() {
+        let passed = Deadline(Instant::now());
+        assert!(passed.passed());
+        assert_eq!(
+            passed
+                .timed_out("no publisher confirm in time", Duration::from_secs(10), "maybe sent")
+                .reason(),
+            "gave the batch up at its deadline (maybe sent): its in-flight lease was running out: the broker was too slow or did not answer"
+        );
+        let timed_out = Deadline::none().timed_out(
+            "no publisher confirm in time",
+            Duration::from_secs(10),
+            "maybe sent",
+        );
+        assert!(matches!(timed_out, PublishError::Retriable { .. }));
+        assert_eq!(
+            timed_out.reason(),
+            "no publisher confirm in time (maybe sent): no answer within 10s"
+        );
+    }
+}

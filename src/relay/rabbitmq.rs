@@ -56,11 +56,14 @@ impl RabbitPublisher {
     }
 
     /// Whether RabbitMQ told this publisher's connection that it blocks
-    /// publishers (`connection.blocked`).
+    /// publishers (`connection.blocked`). A connection that broke while
+    /// blocked keeps lapin's flag: it does not count (the next batch
+    /// reconnects).
     pub fn blocked(&self) -> bool {
-        self.link
-            .as_ref()
-            .is_some_and(|(conn, _)| conn.status().blocked())
+        self.link.as_ref().is_some_and(|(conn, _)| {
+            let status = conn.status();
+            status.connected() && status.blocked()
+        })
     }
 
     async fn channel(&mut self, by: Deadline) -> Result<Channel, PublishError> {
