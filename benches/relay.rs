@@ -190,7 +190,12 @@ async fn outbox_alone(pool: &sqlx::PgPool, sink: SinkKind) -> anyhow::Result<Dur
     let mut marking: Option<tokio::task::JoinHandle<Result<u64, sqlx::Error>>> = None;
     let mut after = None;
     while done < MESSAGES {
-        let claimed = outbox::claim_after(pool, sink, batch() as i64, lease, after).await?;
+        let limits = outbox::ClaimLimits {
+            rows: batch() as i64,
+            bytes: RelayConfig::default().batch_bytes,
+            max_message_bytes: SinkConfig::default().max_message_bytes as i64,
+        };
+        let claimed = outbox::claim_after(pool, sink, limits, lease, after).await?;
         after = claimed.last;
         anyhow::ensure!(!claimed.rows.is_empty(), "the outbox ran dry at {done}");
         done += claimed.rows.len();

@@ -62,6 +62,7 @@ pub struct RelaySection {
     pub in_flight_lease: Option<HumanDuration>,
     pub reconcile_interval: Option<HumanDuration>,
     pub batch_size: Option<i64>,
+    pub batch_bytes: Option<i64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -59,6 +59,7 @@ pub const SETTINGS: &[Setting] = &[
     s("[relay] in_flight_lease", "--in-flight-lease"),
     s("[relay] reconcile_interval", "--reconcile-interval"),
     s("[relay] batch_size", "--relay-batch-size"),
+    s("[relay] batch_bytes", "--relay-batch-bytes"),
 ];
 
 /// A setting's error as a person at the command line reads it: the flag,
@@ -279,6 +280,7 @@ mod tests {
                 Is::Time(relay.reconcile_interval),
             ),
             ("[relay] batch_size", Is::Count(relay.batch_size)),
+            ("[relay] batch_bytes", Is::Count(relay.batch_bytes)),
             (
                 "[relay] max_publish_attempts",
                 Is::Count(relay.max_publish_attempts.into()),

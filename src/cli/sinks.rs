@@ -72,6 +72,9 @@ pub struct RelayFlags {
     /// Outbox rows a relay claims and publishes at a time, 1 to 10000 [default: 500].
     #[arg(long, env = "ALMANAC_RELAY_BATCH_SIZE")]
     pub relay_batch_size: Option<i64>,
+    /// Bytes of payload a relay claims at a time at most (a larger message goes out alone); about four batches' worth are in memory at once [default: 16777216].
+    #[arg(long, env = "ALMANAC_RELAY_BATCH_BYTES")]
+    pub relay_batch_bytes: Option<i64>,
     /// Tries after which an outbox row the broker cannot route is marked failed and its job dead [default: 10].
     #[arg(long, env = "ALMANAC_MAX_PUBLISH_ATTEMPTS")]
     pub max_publish_attempts: Option<i32>,
@@ -97,6 +100,10 @@ impl RelayFlags {
                 .relay_batch_size
                 .or(file.batch_size)
                 .unwrap_or(d.batch_size),
+            batch_bytes: self
+                .relay_batch_bytes
+                .or(file.batch_bytes)
+                .unwrap_or(d.batch_bytes),
             max_publish_attempts: self
                 .max_publish_attempts
                 .or(file.max_publish_attempts)
@@ -146,6 +153,7 @@ mod tests {
     fn flags(batch: Option<i64>) -> RelayFlags {
         RelayFlags {
             relay_batch_size: batch,
+            relay_batch_bytes: None,
             max_publish_attempts: None,
             in_flight_lease: None,
             reconcile_interval: None,
@@ -168,6 +176,32 @@ mod tests {
         assert_eq!(batch(Some(40), Some(70)), 40);
         assert_eq!(batch(None, Some(70)), 70);
         assert_eq!(batch(None, None), 500);
+    }
+
+    #[test]
+    fn the_relay_batch_bytes_is_the_flag_then_the_file_then_16_mib_and_positive() {
+        let resolve = |flag: Option<i64>, file: Option<i64>| {
+            let mut ctx = ctx(None);
+            ctx.config.relay.batch_bytes = file;
+            RelayFlags {
+                relay_batch_bytes: flag,
+                ..flags(None)
+            }
+            .resolve(&ctx)
+            .map(|c| c.batch_bytes)
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(resolve(Some(1000), Some(2000)), Ok(1000));
+        assert_eq!(resolve(None, Some(2000)), Ok(2000));
+        assert_eq!(resolve(None, None), Ok(16 * 1024 * 1024));
+        assert_eq!(
+            resolve(Some(0), None),
+            Err("--relay-batch-bytes ([relay] batch_bytes) must be at least 1, got 0".into())
+        );
+        assert_eq!(
+            resolve(None, Some(-5)),
+            Err("--relay-batch-bytes ([relay] batch_bytes) must be at least 1, got -5".into())
+        );
     }
 
     #[test]

@@ -15,6 +15,11 @@ pub enum Failpoint {
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
     pub batch_size: i64,
+    /// Most bytes of payload a batch claims: a claim stops before the row
+    /// that would take it past this (a batch always has its first row, up
+    /// to `--max-message-bytes`). With pipelining, what bounds the relay's
+    /// memory ([`super::payload_bound`]).
+    pub batch_bytes: i64,
     pub poll_interval: Duration,
     /// Delay before a failed row is tried again (doubling per attempt); also
     /// paces the relay after a failed batch.
@@ -39,6 +44,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
             batch_size: 500,
+            batch_bytes: DEFAULT_BATCH_BYTES,
             poll_interval: Duration::from_secs(1),
             retry: Backoff {
                 base: Duration::from_millis(500),
@@ -53,6 +59,9 @@ impl Default for RelayConfig {
         }
     }
 }
+
+/// A batch's payloads by default: 16 MiB.
+pub const DEFAULT_BATCH_BYTES: i64 = 16 * 1024 * 1024;
 
 /// The largest batch a relay claims: a batch's ids are one array in one row
 /// of `almanac.outbox_batches`, and its messages are in memory at once.
@@ -69,6 +78,7 @@ impl Settings for RelayConfig {
                 ),
             });
         }
+        InvalidSetting::at_least("[relay] batch_bytes", self.batch_bytes, 1)?;
         InvalidSetting::at_least(
             "[relay] max_publish_attempts",
             self.max_publish_attempts.into(),

@@ -19,6 +19,18 @@
 //!   While one batch is in flight the next is claimed, and the previous one
 //!   is marked. Each claim starts after the previous batch, and from the
 //!   start of the due rows at least once a second (`CLAIM_FROM_START_EVERY`).
+//! - **Memory is bounded in bytes.** A claim stops at `--relay-batch-bytes`
+//!   of payload (measured in the database; a batch always has its first
+//!   row), and a row over `--max-message-bytes` comes without its payload,
+//!   to be marked failed ([`outbox::claim_after`], migration 0106). Pipelined,
+//!   the relay holds the payloads of at most [`BATCHES_IN_MEMORY`] batches at
+//!   once: the one claimed ahead, the one being handed to the broker and the
+//!   broker client's copy of it, and the client's copy of the one before,
+//!   awaiting its acknowledgements (the relay drops its own copy of a batch
+//!   once handed over; a batch being marked holds none). So at most
+//!   [`payload_bound`] = 4 × max(`--relay-batch-bytes`, `--max-message-bytes`)
+//!   of payload, 64 MiB with the defaults, beside the process's own memory
+//!   and one row's read buffer per database connection.
 //! - **Per-row outcomes** ([`crate::broker::PublishError`]): acknowledged rows
 //!   are deleted, their batch kept as the record. A `Retriable` failure (broker down, timeout, broken
 //!   link: "maybe sent") keeps the row, with `last_error`, for a later try with
@@ -77,8 +89,8 @@ use crate::metrics::Metrics;
 use crate::queue::routing;
 use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
-pub use config::{Failpoint, RelayConfig, MAX_BATCH_SIZE};
-pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
+pub use config::{Failpoint, RelayConfig, DEFAULT_BATCH_BYTES, MAX_BATCH_SIZE};
+pub use outbox::{ClaimLimits, Claimed, FailedRow, OutboxRow, SinkOutboxStats};
 pub use publisher::{Deadline, InFlight, Publisher};
 
 pub const NOTIFY_CHANNEL: &str = "almanac_outbox";
@@ -196,8 +208,14 @@ impl Relay {
             self.claimed_from_start = now;
         }
         let (pool, sink) = (self.pool.clone(), self.publisher.sink());
-        let (limit, lease) = (self.config.batch_size, self.config.in_flight_lease);
-        async move { outbox::claim_after(&pool, sink, limit, lease, after).await }
+        let limits = outbox::ClaimLimits {
+            rows: self.config.batch_size,
+            bytes: self.config.batch_bytes,
+            max_message_bytes: i64::try_from(self.publisher.max_message_bytes())
+                .unwrap_or(i64::MAX),
+        };
+        let lease = self.config.in_flight_lease;
+        async move { outbox::claim_after(&pool, sink, limits, lease, after).await }
     }
 
     /// The outcome of each row of a published batch.
@@ -250,7 +268,9 @@ impl Relay {
     /// from the start). Pipelined: while one batch awaits its
     /// acknowledgements the next is claimed and sent, and each batch is
     /// marked while the following ones go out. At most two batches are
-    /// unacknowledged at a time.
+    /// unacknowledged at a time, and the payloads of at most
+    /// [`BATCHES_IN_MEMORY`] are in memory (a batch's own copy is dropped
+    /// once it is handed to the broker client).
     pub async fn drain(&mut self) -> Result<RelayReport, RelayError> {
         let mut report = RelayReport::default();
         let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
@@ -262,8 +282,8 @@ impl Relay {
         loop {
             let mut stop = true;
             let mut sent = None;
-            if let Some(batch) = claimed.take() {
-                let full = batch.rows.len() as i64 >= self.config.batch_size;
+            if let Some(mut batch) = claimed.take() {
+                let full = batch.full;
                 // The next claim runs while this batch is handed over
                 // (none once the relay is stopping).
                 if (full || !batch.from_start) && !self.stop.is_cancelled() {
@@ -274,6 +294,9 @@ impl Relay {
                 if !batch.rows.is_empty() {
                     let by = self.deadline(&batch);
                     let in_flight = self.publisher.send(&batch.rows, by).await;
+                    // The broker client has its copy: this one is not kept
+                    // while the acknowledgements come and the batch is marked.
+                    batch.drop_payloads();
                     sent = Some((batch, in_flight));
                 }
             }
@@ -666,6 +689,24 @@ impl Drainer {
         });
         Drainer { task, wake }
     }
+}
+
+/// Batches whose payloads a relay holds at once at most ([`Relay::drain`]):
+/// the one claimed ahead, the one being sent (its rows and the broker
+/// client's copy), and the client's copy of the one awaiting its
+/// acknowledgements.
+pub const BATCHES_IN_MEMORY: u64 = 4;
+
+/// The most payload bytes a relay holds at once: [`BATCHES_IN_MEMORY`]
+/// batches of at most `batch_bytes`, or of one message up to
+/// `max_message_bytes` when that is larger (a batch always has its first
+/// row). Not counted: the process's own memory, and the read buffer of each
+/// database connection, which keeps the size of the largest row it read.
+pub fn payload_bound(batch_bytes: i64, max_message_bytes: usize) -> u64 {
+    let batch = u64::try_from(batch_bytes)
+        .unwrap_or(0)
+        .max(max_message_bytes as u64);
+    BATCHES_IN_MEMORY.saturating_mul(batch)
 }
 
 /// How often a relay whose broker blocks publishers looks again.

@@ -38,11 +38,28 @@ pub struct OutboxRow {
     pub job_id: i64,
     pub destination: String,
     pub msg_key: String,
+    /// The body; empty when it was not loaded: over the claim's
+    /// [`ClaimLimits::max_message_bytes`] (the row is to be marked failed),
+    /// or dropped once handed to the broker.
     pub payload: String,
+    /// The body's size in bytes, as the claim measured it in the database
+    /// (whether or not `payload` holds it): what the size limit reads.
+    pub bytes: usize,
     pub header_names: Vec<String>,
     pub header_values: Vec<String>,
     /// Tries so far, this one included.
     pub attempts: i32,
+}
+
+impl Claimed {
+    /// Frees the payloads (kept: [`OutboxRow::bytes`]): once the broker
+    /// client has its own copy, what is left of a batch (acknowledgements,
+    /// its mark) needs none.
+    pub fn drop_payloads(&mut self) {
+        for row in &mut self.rows {
+            row.payload = String::new();
+        }
+    }
 }
 
 impl OutboxRow {
@@ -66,6 +83,11 @@ pub struct Claimed {
     pub last: Option<ClaimPosition>,
     /// Whether the claim started from the start of the due rows.
     pub from_start: bool,
+    /// Whether the claim may have stopped at one of its limits rather than
+    /// at the end of the due rows: it has its most rows, or its payloads
+    /// come within `max_message_bytes` of its byte budget (the next row
+    /// might not have fitted). More may be due after it.
+    pub full: bool,
     /// When the batch's in-flight lease ends at the latest, on this
     /// process's clock: the claim was sent no earlier than `lease` before
     /// (the database starts the lease when it runs the claim, later).
@@ -92,9 +114,35 @@ fn claim_lock(sink: SinkKind) -> i32 {
     }
 }
 
+/// What one claim may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimLimits {
+    /// Most rows.
+    pub rows: i64,
+    /// Most bytes of payload: the claim stops before the row that would
+    /// take the batch past it, and takes the first row with a payload
+    /// whatever its size (up to `max_message_bytes`).
+    pub bytes: i64,
+    /// Rows whose payload is larger come back with their size and no
+    /// payload, cost nothing against `bytes`, and are to be marked failed.
+    pub max_message_bytes: i64,
+}
+
+impl ClaimLimits {
+    /// A claim bounded in rows only (tools and tests): every payload loaded.
+    pub fn rows(rows: i64) -> ClaimLimits {
+        ClaimLimits {
+            rows,
+            bytes: i64::MAX,
+            max_message_bytes: i64::MAX,
+        }
+    }
+}
+
 /// Claims up to `limit` due rows of `sink` in one statement (its own short
-/// transaction, `almanac.claim_outbox` in the baseline migration; its history
-/// is in `tests/fixtures/pre_baseline/0014_*` and `0015_*`): a row in `almanac.outbox_batches`
+/// transaction, `almanac.claim_outbox_bytes` in migration 0106, which
+/// bounds in bytes what the baseline's `almanac.claim_outbox` claimed; its
+/// history is in `tests/fixtures/pre_baseline/0014_*` and `0015_*`): a row in `almanac.outbox_batches`
 /// with a fresh token, the rows' ids and an in-flight lease of `lease` (the
 /// rows come due again when it ends). The outbox rows themselves are not
 /// written (the baseline says why). Rows named by another batch in flight are
@@ -102,14 +150,15 @@ fn claim_lock(sink: SinkKind) -> i32 {
 /// their transaction, so two relays never pick the same rows, and each first
 /// drops the batches whose lease ended, which fences out their relays'
 /// marks. `attempts` of each row counts this try. Claims from the start of
-/// the due rows; [`claim_after`] starts later.
+/// the due rows; [`claim_after`] starts later and bounds the batch in bytes
+/// too.
 pub async fn claim(
     pool: &PgPool,
     sink: SinkKind,
     limit: i64,
     lease: Duration,
 ) -> Result<Claimed, sqlx::Error> {
-    claim_after(pool, sink, limit, lease, None).await
+    claim_after(pool, sink, ClaimLimits::rows(limit), lease, None).await
 }
 
 /// [`claim`], taking only rows after `after` in claim order (the whole
@@ -117,10 +166,18 @@ pub async fn claim(
 /// not step over the index entries rows published since the last VACUUM
 /// leave behind (`tests/fixtures/pre_baseline/0015_*` says what they cost); rows that come due behind the
 /// position are taken by the next claim from the start.
+///
+/// **Bounded in bytes** (`almanac.claim_outbox_bytes`, migration 0106): the
+/// database measures each payload and the batch stops before the row that
+/// would take its payloads past `limits.bytes` (it always has its first
+/// row); rows over `limits.max_message_bytes` come back with their
+/// [`OutboxRow::bytes`] and an empty payload, so this process never holds
+/// more than about `max(limits.bytes, limits.max_message_bytes)` of
+/// payload per batch.
 pub async fn claim_after(
     pool: &PgPool,
     sink: SinkKind,
-    limit: i64,
+    limits: ClaimLimits,
     lease: Duration,
     after: Option<ClaimPosition>,
 ) -> Result<Claimed, sqlx::Error> {
@@ -128,16 +185,18 @@ pub async fn claim_after(
     let lease_ends = tokio::time::Instant::now() + lease;
     let query = || {
         sqlx::query_as::<_, RawRow>(
-            "SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6, $7, $8)",
+            "SELECT * FROM almanac.claim_outbox_bytes($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(sink.as_str())
         .bind(CLAIM_LOCK)
         .bind(claim_lock(sink))
-        .bind(limit)
+        .bind(limits.rows)
         .bind(token)
         .bind(millis(lease))
         .bind(after.map(|p| p.available_at))
         .bind(after.map(|p| p.id))
+        .bind(limits.max_message_bytes)
+        .bind(limits.bytes)
     };
     let raw = match query().fetch_all(pool).await {
         // The session's default isolation is above READ COMMITTED (the
@@ -161,30 +220,46 @@ pub async fn claim_after(
         .max();
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(outbox_row).collect();
     rows.sort_unstable_by_key(|r| r.id);
+    let loaded: i64 = rows.iter().map(|r| r.payload.len() as i64).sum();
+    let full = rows.len() as i64 >= limits.rows
+        || loaded > limits.bytes.saturating_sub(limits.max_message_bytes);
     Ok(Claimed {
         token,
         rows,
         last,
         from_start: after.is_none(),
+        full,
         lease_ends,
     })
 }
 
-/// A claimed row as `almanac.claim_outbox` returns it, decoded by position
-/// (by name, sqlx looks each column up in a map: about 6% of the relay
-/// process's CPU in a profile): id, job, destination, key, payload,
-/// headers, attempts, available_at.
-type RawRow = (i64, i64, String, String, String, String, i32, DateTime<Utc>);
+/// A claimed row as `almanac.claim_outbox_bytes` returns it, decoded by
+/// position (by name, sqlx looks each column up in a map: about 6% of the
+/// relay process's CPU in a profile): id, job, destination, key, payload
+/// (none when over the size limit), headers, attempts, available_at, the
+/// payload's size.
+type RawRow = (
+    i64,
+    i64,
+    String,
+    String,
+    Option<String>,
+    String,
+    i32,
+    DateTime<Utc>,
+    i64,
+);
 
 fn outbox_row(raw: RawRow) -> OutboxRow {
-    let (id, job_id, destination, msg_key, payload, headers, attempts, _) = raw;
+    let (id, job_id, destination, msg_key, payload, headers, attempts, _, bytes) = raw;
     let (header_names, header_values) = parse_headers(&headers).into_iter().unzip();
     OutboxRow {
         id,
         job_id,
         destination,
         msg_key,
-        payload,
+        payload: payload.unwrap_or_default(),
+        bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
         header_names,
         header_values,
         attempts,

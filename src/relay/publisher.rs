@@ -46,6 +46,11 @@ impl Publisher {
         })
     }
 
+    /// The largest message body sent; a larger one fails without being sent.
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
+    }
+
     pub fn sink(&self) -> SinkKind {
         match self.inner {
             Inner::Kafka(_) => SinkKind::Kafka,
@@ -78,8 +83,9 @@ impl Publisher {
     }
 
     /// One result per row, in order: `Ok` only for an acknowledged publish.
-    /// Rows over `max_message_bytes` fail [`PublishError::Fatal`] without
-    /// being sent. Each wait on the broker is bounded by `ack_timeout` only.
+    /// Rows over `max_message_bytes` ([`OutboxRow::bytes`], measured by the
+    /// claim, which loads no such payload) fail [`PublishError::Fatal`]
+    /// without being sent. Each wait on the broker is bounded by `ack_timeout` only.
     pub async fn publish(&mut self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
         self.publish_by(rows, Deadline::none()).await
     }
@@ -109,7 +115,7 @@ impl Publisher {
         let mut prepared: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         let mut to_send = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
-            if row.payload.len() > max_message_bytes {
+            if row.bytes > max_message_bytes {
                 early[i] = Some(Err(too_large(row, max_message_bytes)));
                 continue;
             }
@@ -260,8 +266,7 @@ fn too_large(row: &OutboxRow, limit: usize) -> PublishError {
     PublishError::fatal(
         format!(
             "the message for `{}` is {} bytes, over the {limit}-byte limit",
-            row.destination,
-            row.payload.len()
+            row.destination, row.bytes
         ),
         Plain(
             "raise --max-message-bytes (and the broker's own limit) or send a smaller payload"

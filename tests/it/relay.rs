@@ -485,7 +485,15 @@ async fn concurrent_claims_never_share_a_row_under_a_repeatable_read_default(poo
 async fn a_claim_from_the_start_finds_rows_behind_a_claim_position(pool: PgPool) {
     kafka_backlog(&pool, 1).await;
     let lease = Duration::from_secs(60);
-    let claim = |after| outbox::claim_after(&pool, SinkKind::Kafka, 1000, lease, after);
+    let claim = |after| {
+        outbox::claim_after(
+            &pool,
+            SinkKind::Kafka,
+            outbox::ClaimLimits::rows(1000),
+            lease,
+            after,
+        )
+    };
     let first = outbox::claim(&pool, SinkKind::Kafka, 10, lease)
         .await
         .unwrap();
