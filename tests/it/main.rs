@@ -33,6 +33,7 @@ mod queue;
 mod relay;
 mod relay_bounds;
 mod relay_faults;
+mod relay_memory;
 mod relay_routes;
 mod reprocess;
 mod scheduler;
