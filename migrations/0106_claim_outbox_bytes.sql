@@ -1,18 +1,24 @@
 -- The relay's memory is bounded in bytes (issue #20 item 7).
 --
+-- Each outbox row records the size of its payload as the JSON text the
+-- relay sends (`bytes`), measured once, when `almanac.write_outbox` writes
+-- the row (the enqueue's transaction, where producers spread the cost),
+-- instead of by the relay's claim, which is serialised per sink and is the
+-- relay's critical path. Rows written before this migration have no size;
+-- the claim measures theirs.
+--
 -- `almanac.claim_outbox_bytes` claims as the baseline's
--- `almanac.claim_outbox` does (same lock, lease, fence and position; its
--- comment there holds for this one) and also bounds the batch in bytes. It
--- measures each row's payload in the server, as the JSON text the relay
--- sends, one row at a time in claim order, and stops before the row that
--- would take the batch's payloads past `p_budget_bytes`; the first row with
--- a payload is always taken, so a row larger than the budget goes out on
--- its own. A row whose payload is over `p_max_bytes` comes back with its
--- size in `bytes` and no payload (NULL): it costs nothing against the
--- budget, and the relay marks it failed with its reason through its usual
--- marks. So a claim reads at most one payload it does not return, and the
--- relay never receives one over the limit. `almanac::relay::outbox::claim`
--- documents the caller's side.
+-- `almanac.claim_outbox` does (same lock, lease, fence, position and one
+-- statement; its comment there holds for this one) and also bounds the
+-- batch in bytes: it takes candidates in claim order while the running
+-- total of their sizes stays within `p_budget_bytes`, and always the first
+-- row with a payload, so a row larger than the budget goes out on its own.
+-- A row whose payload is over `p_max_bytes` comes back with its size in
+-- `bytes` and no payload (NULL), costs nothing against the budget, and the
+-- relay marks it failed with its reason through its usual marks: the relay
+-- never receives a payload over the limit. The claim turns into text only
+-- the payloads it returns. `almanac::relay::outbox::claim` documents the
+-- caller's side.
 --
 -- The baseline's `almanac.claim_outbox` stays as it is: relays of the
 -- previous release call it while a fleet is upgraded one process at a
@@ -20,9 +26,35 @@
 -- (`almanac::db::schema`). It can be dropped by a release after the one
 -- that stops calling it.
 --
--- As in 0101 to 0103: a bounded wait for locks (creating a function takes
--- none on a table).
+-- As in 0101 to 0103: a bounded wait for locks. Adding a nullable column
+-- with no default only touches the catalog (no table rewrite).
 SET LOCAL lock_timeout = '10s';
+ALTER TABLE almanac.outbox ADD COLUMN bytes bigint;
+
+CREATE OR REPLACE FUNCTION almanac.write_outbox(j almanac.jobs) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r almanac.routes%ROWTYPE;
+BEGIN
+    SELECT * INTO r FROM almanac.routes WHERE kind = j.kind;
+    IF r.sink IS NULL THEN
+        RAISE EXCEPTION 'job % of kind % is routed to %, but the kind has no sink; run `almanac route set`', j.id, j.kind, j.route;
+    END IF;
+    INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at, bytes)
+    VALUES (
+        j.id, r.sink, r.destination,
+        coalesce(j.idempotency_key, 'almanac:job:' || j.id),
+        j.payload,
+        jsonb_build_object(
+            'almanac-job-id', j.id::text,
+            'almanac-kind', j.kind,
+            'almanac-attempt', (j.attempts + 1)::text,
+            'almanac-logical-run', coalesce(j.logical_run, '')),
+        j.run_at,
+        octet_length(j.payload::text));
+    PERFORM pg_notify('almanac_outbox', r.sink);
+END $$;
+
 CREATE FUNCTION almanac.claim_outbox_bytes(
     p_sink text, p_lock_class int, p_lock_key int, p_limit bigint, p_token uuid, p_lease_ms bigint,
     p_after_at timestamptz, p_after_id bigint, p_max_bytes bigint, p_budget_bytes bigint)
@@ -31,9 +63,6 @@ RETURNS TABLE (id bigint, job_id bigint, destination text, msg_key text, payload
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now timestamptz;
-    v_ids bigint[] := '{}';
-    v_total bigint := 0;
-    v_next bigint;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'almanac.claim_outbox_bytes needs READ COMMITTED, not %',
@@ -47,9 +76,10 @@ BEGIN
     WHERE b.token IN (SELECT e.token FROM almanac.outbox_batches AS e
                       WHERE e.sink = p_sink AND e.published_at IS NULL AND e.lease_until <= v_now
                       FOR UPDATE SKIP LOCKED);
-    -- The candidates' ids only: a payload is read when its row's turn comes.
-    FOR v_next IN
-        SELECT o.id
+    RETURN QUERY
+    WITH candidates AS MATERIALIZED (
+        SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload, o.headers, o.attempts,
+            o.available_at, coalesce(o.bytes, octet_length(o.payload::text)) AS size
         FROM almanac.outbox AS o
         WHERE o.sink = p_sink AND o.published_at IS NULL AND o.failed_at IS NULL
           AND o.available_at <= v_now
@@ -61,30 +91,27 @@ BEGIN
                              AND b.lease_until > v_now)
         ORDER BY o.available_at, o.id
         LIMIT p_limit
-    LOOP
-        SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload::text, o.headers::text,
-            o.attempts + 1, o.available_at
-        INTO id, job_id, destination, msg_key, payload, headers, attempts, available_at
-        FROM almanac.outbox AS o
-        WHERE o.id = v_next;
-        CONTINUE WHEN NOT FOUND;
-        bytes := octet_length(payload);
-        IF bytes > p_max_bytes THEN
-            -- Sent back without its payload, to be marked failed.
-            payload := NULL;
-        ELSIF v_total > 0 AND v_total + bytes > p_budget_bytes THEN
-            EXIT;
-        ELSE
-            v_total := v_total + bytes;
-        END IF;
-        v_ids := v_ids || id;
-        RETURN NEXT;
-    END LOOP;
-    IF cardinality(v_ids) > 0 THEN
+    ), picked AS MATERIALIZED (
+        -- The running total of the sizes sent (an oversized row sends none)
+        -- only grows, so the rows kept are a prefix of the candidates.
+        SELECT * FROM (
+            SELECT c.*, c.size > p_max_bytes AS oversized,
+                sum(CASE WHEN c.size > p_max_bytes THEN 0 ELSE c.size END)
+                    OVER (ORDER BY c.available_at, c.id) AS total
+            FROM candidates AS c) AS t
+        WHERE t.total <= p_budget_bytes
+           -- The first row with a payload, however large.
+           OR (NOT t.oversized AND t.total = t.size)
+    ), batch AS (
         INSERT INTO almanac.outbox_batches (token, sink, ids, claimed_at, lease_until)
-        SELECT p_token, p_sink, array_agg(x ORDER BY x), v_now,
+        SELECT p_token, p_sink, array_agg(p.id ORDER BY p.id), v_now,
             v_now + p_lease_ms * interval '1 millisecond'
-        FROM unnest(v_ids) AS x;
-    END IF;
+        FROM picked AS p HAVING count(*) > 0
+    )
+    SELECT p.id, p.job_id, p.destination, p.msg_key,
+        CASE WHEN p.oversized THEN NULL ELSE p.payload::text END,
+        p.headers::text, p.attempts + 1, p.available_at, p.size
+    FROM picked AS p
+    ORDER BY p.available_at, p.id;
 END
 $$;

@@ -42,7 +42,7 @@ pub struct OutboxRow {
     /// [`ClaimLimits::max_message_bytes`] (the row is to be marked failed),
     /// or dropped once handed to the broker.
     pub payload: String,
-    /// The body's size in bytes, as the claim measured it in the database
+    /// The body's size in bytes, as the database measured it
     /// (whether or not `payload` holds it): what the size limit reads.
     pub bytes: usize,
     pub header_names: Vec<String>,
@@ -167,8 +167,9 @@ pub async fn claim(
 /// leave behind (`tests/fixtures/pre_baseline/0015_*` says what they cost); rows that come due behind the
 /// position are taken by the next claim from the start.
 ///
-/// **Bounded in bytes** (`almanac.claim_outbox_bytes`, migration 0106): the
-/// database measures each payload and the batch stops before the row that
+/// **Bounded in bytes** (`almanac.claim_outbox_bytes`, migration 0106): each
+/// row's payload size is recorded when the row is written (measured by the
+/// claim for rows older than 0106), and the batch stops before the row that
 /// would take its payloads past `limits.bytes` (it always has its first
 /// row); rows over `limits.max_message_bytes` come back with their
 /// [`OutboxRow::bytes`] and an empty payload, so this process never holds
