@@ -551,6 +551,13 @@ CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (sch
 
 
 --
+-- Name: jobs jobs_retake_route; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_retake_route BEFORE UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((new.status = 'ready'::text) AND (old.status <> 'ready'::text))) EXECUTE FUNCTION almanac.jobs_take_route();
+
+
+--
 -- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
 --
 

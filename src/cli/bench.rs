@@ -252,7 +252,7 @@ async fn raw_burn(pool: &PgPool, connections: usize, batch: usize, n: u64) -> an
                     .iter()
                     .map(|j| (j.id, j.lease_token.expect("claimed")))
                     .collect();
-                queue::complete_many(&mut *conn, &leases).await?;
+                queue::complete_many(&mut conn, &leases).await?;
             }
         });
     }

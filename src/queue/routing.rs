@@ -1,5 +1,5 @@
 //! The statements on `almanac.jobs` that routes and the relay run: moving a
-//! kind's unfinished jobs to its route, the reconcile that repairs jobs whose
+//! kind's ready jobs to its route, window by window, the reconcile that repairs jobs whose
 //! route disagrees with `almanac.routes`, re-drive of stranded broker jobs,
 //! and burying the job of an outbox row the broker rejected for good.
 
@@ -35,26 +35,66 @@ pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<Str
         .collect())
 }
 
-/// Moves `kind`'s ready and running jobs to `mode`; the outbox trigger
-/// writes rows for ready jobs leaving `db`. Returns how many moved.
-pub async fn move_kind(
+/// Where a walk of a kind's ready jobs stands: after this `(run_at, id)`.
+pub type WalkCursor = (DateTime<Utc>, i64);
+
+/// One window of a walk over `kind`'s ready jobs: the next `limit` of them
+/// after `after`, in `(run_at, id)` order (an ordered range of
+/// `jobs_ready_kind_idx`, so a window costs its own rows, not the backlog
+/// before it). Those whose route is not the kind's route now are moved to
+/// it (the outbox trigger writes rows for jobs leaving `db`); rows locked by
+/// someone else (a worker claiming them) are skipped, not waited for: a
+/// claimed job takes the route when it is ready again (migration 0104).
+/// Running jobs are never touched, so no worker's heartbeat or outcome
+/// waits behind a route change. Returns the window's ids, how many moved,
+/// and where the next window starts (`None`: the walk is over).
+pub async fn move_window(
     conn: &mut PgConnection,
     kind: &str,
-    mode: &str,
-) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::query(
-        "UPDATE almanac.jobs SET route = $2 \
-         WHERE kind = $1 AND status IN ('ready', 'running') AND route <> $2",
+    after: Option<WalkCursor>,
+    limit: i64,
+) -> Result<(Vec<i64>, u64, Option<WalkCursor>), sqlx::Error> {
+    type Window = (Vec<i64>, i64, Option<DateTime<Utc>>, Option<i64>);
+    let (ids, moved, run_at, id): Window = sqlx::query_as(
+        r#"
+        WITH w AS MATERIALIZED (
+            SELECT id, run_at FROM almanac.jobs
+            WHERE status = 'ready' AND kind = $1
+              AND (kind, run_at, id) > ($1, coalesce($2, '-infinity'::timestamptz), coalesce($3, 0))
+            ORDER BY kind, run_at, id
+            LIMIT $4
+        ), mode AS MATERIALIZED (
+            SELECT coalesce((SELECT mode FROM almanac.routes WHERE kind = $1), 'db') AS m
+        ), locked AS MATERIALIZED (
+            SELECT j.id FROM almanac.jobs j
+            WHERE j.id = ANY (ARRAY(SELECT id FROM w)) AND j.status = 'ready'
+              AND j.route <> (SELECT m FROM mode)
+            FOR UPDATE SKIP LOCKED
+        ), moved AS (
+            UPDATE almanac.jobs j SET route = (SELECT m FROM mode)
+            WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
+            RETURNING j.id
+        ), last AS (
+            SELECT run_at, id FROM w ORDER BY run_at DESC, id DESC LIMIT 1
+        )
+        SELECT ARRAY(SELECT id FROM w), (SELECT count(*) FROM moved),
+            (SELECT run_at FROM last WHERE (SELECT count(*) FROM w) = $4),
+            (SELECT id FROM last WHERE (SELECT count(*) FROM w) = $4)
+        "#,
     )
     .bind(kind)
-    .bind(mode)
-    .execute(conn)
-    .await?
-    .rows_affected())
+    .bind(after.map(|c| c.0))
+    .bind(after.map(|c| c.1))
+    .bind(limit)
+    .fetch_one(conn)
+    .await?;
+    Ok((ids, moved as u64, run_at.zip(id)))
 }
 
-/// Kinds with a route that have ready or running jobs on another route (an
-/// enqueue whose REPEATABLE READ snapshot predates the last `route set`).
+/// Kinds with a route that have ready jobs on another route: a walk of
+/// [`move_window`]s that was cut short (a `route set` interrupted), a row a
+/// worker held when the walk passed it, or an enqueue whose REPEATABLE READ
+/// snapshot predates the last `route set`.
 pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         r#"
@@ -62,30 +102,11 @@ pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>,
         WHERE EXISTS (
             SELECT 1 FROM almanac.jobs AS j
             WHERE j.kind = r.kind AND j.status = 'ready' AND j.route <> r.mode)
-           OR EXISTS (
-            SELECT 1 FROM almanac.jobs AS j
-            WHERE j.kind = r.kind AND j.status = 'running' AND j.route <> r.mode)
         ORDER BY r.kind
         "#,
     )
     .fetch_all(db)
     .await
-}
-
-/// Moves `kind`'s unfinished jobs to the route `almanac.routes` gives it.
-pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::query(
-        r#"
-        UPDATE almanac.jobs AS j SET route = r.mode
-        FROM almanac.routes AS r
-        WHERE r.kind = j.kind AND j.kind = $1
-          AND j.status IN ('ready', 'running') AND j.route <> r.mode
-        "#,
-    )
-    .bind(kind)
-    .execute(conn)
-    .await?
-    .rows_affected())
 }
 
 /// Where a re-drive sweep stands: candidates due by `until` (fixed when the

@@ -612,8 +612,11 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             renewed = bounded(every, renew(&mut link, &leases, inner.config.lease)) => renewed,
         };
-        let held: HashSet<i64> = match renewed {
-            Ok(held) => held.into_iter().collect(),
+        let (held, busy): (HashSet<i64>, HashSet<i64>) = match renewed {
+            Ok(written) => (
+                written.ids.into_iter().collect(),
+                written.busy.into_iter().collect(),
+            ),
             Err(err) => {
                 link.discard();
                 warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
@@ -628,6 +631,10 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             };
             if held.contains(id) {
                 flight.renewed = flight.renewed.max(sent);
+            } else if busy.contains(id) {
+                // Its row was held by another transaction: still ours, not
+                // renewed this time (the local deadline keeps counting).
+                debug!(job_id = id, "lease renewal skipped a busy row");
             } else if !flight.cancel.is_cancelled() {
                 warn!(job_id = id, "lease lost; cancelling the handler");
                 flight.cancel.cancel();
@@ -641,7 +648,7 @@ async fn renew(
     link: &mut crate::db::Held,
     leases: &[(i64, Uuid)],
     lease: Duration,
-) -> Result<Vec<i64>, QueueError> {
+) -> Result<queue::Written, QueueError> {
     let conn = link.get().await?;
     queue::heartbeat_many(conn, leases, lease).await
 }

@@ -34,6 +34,7 @@ mod relay;
 mod relay_faults;
 mod relay_routes;
 mod reprocess;
+mod route_backlog;
 mod scheduler;
 mod schema;
 mod slow_tick;
