@@ -25,6 +25,7 @@ mod compose;
 mod consumer_faults;
 mod consumer_kinds;
 mod exec;
+mod exec_faults;
 mod leader;
 mod leader_faults;
 mod migration;
