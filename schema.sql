@@ -176,6 +176,19 @@ END $$;
 
 
 --
+-- Name: consumer_marks; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.consumer_marks (
+    sink text NOT NULL,
+    destination text NOT NULL,
+    partition integer NOT NULL,
+    drained_at timestamp with time zone NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+
+--
 -- Name: jobs_id_seq; Type: SEQUENCE; Schema: almanac; Owner: -
 --
 
@@ -327,6 +340,14 @@ CREATE TABLE almanac.schedules (
     CONSTRAINT schedules_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text])))
 );
+
+
+--
+-- Name: consumer_marks consumer_marks_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.consumer_marks
+    ADD CONSTRAINT consumer_marks_pkey PRIMARY KEY (sink, destination, partition);
 
 
 --

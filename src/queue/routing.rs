@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::types::Json;
 use sqlx::{PgConnection, PgExecutor};
 
 /// The advisory lock key of `kind`'s route: every insert of a job takes it
@@ -118,6 +119,30 @@ pub struct RedriveCursor {
     pub after: (DateTime<Utc>, i64),
 }
 
+/// A destination whose stranded jobs re-drive holds back: its consumers
+/// record drains (`almanac.consumer_marks`) and some partition has not been
+/// drained within `redrive_after`, so a message may still wait there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub destination: String,
+    /// The kinds routed there (sorted).
+    pub kinds: Vec<String>,
+    /// The oldest of its partitions' last drains.
+    pub drained_at: DateTime<Utc>,
+}
+
+/// What one step of a re-drive sweep did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedriveStep {
+    /// Jobs given a fresh outbox row.
+    pub redriven: u64,
+    /// Where the next step goes on; `None` once the candidates ran out.
+    pub next: Option<RedriveCursor>,
+    /// Destinations held back ([`Held`]), in order, whether or not they
+    /// have candidates.
+    pub held: Vec<Held>,
+}
+
 /// One step of a re-drive sweep: looks at the next 1,000 candidates after
 /// `from` (`broker` jobs of kinds routed to `sink`, ready and due longer than
 /// `after` when the sweep started, with no row pending on their current
@@ -136,18 +161,48 @@ pub struct RedriveCursor {
 /// jobs are published in about the order they were created, more when jobs
 /// delayed by different amounts widen the spans (at worst every record
 /// published within `after`).
+///
+/// **The drain gate.** Only destinations with no drain marks at all, or
+/// whose every partition was drained within `after`, have candidates: a
+/// candidate was last published more than `after` ago, so a drain since
+/// proves its message is no longer waiting in the broker, and without one
+/// it may be (consumers down or behind) and is not copied again. The gate
+/// reads the marks of this sink's routed destinations once per step (a
+/// primary-key range per destination). The others are returned as
+/// [`RedriveStep::held`].
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
     after: Duration,
     from: Option<RedriveCursor>,
-) -> Result<(u64, Option<RedriveCursor>), sqlx::Error> {
-    type Step = (i64, DateTime<Utc>, Option<DateTime<Utc>>, Option<i64>);
-    let (redriven, until, run_at, id): Step = sqlx::query_as(
+) -> Result<RedriveStep, sqlx::Error> {
+    type Step = (
+        i64,
+        DateTime<Utc>,
+        Option<DateTime<Utc>>,
+        Option<i64>,
+        Vec<String>,
+        Vec<Json<Vec<String>>>,
+        Vec<DateTime<Utc>>,
+    );
+    let (redriven, until, run_at, id, held, kinds, drained): Step = sqlx::query_as(
         r#"
-        WITH candidates AS MATERIALIZED (
+        WITH gates AS MATERIALIZED (
+            -- Each destination of this sink's broker routes, with the oldest
+            -- of its partitions' last drains (NULL: no marks, always open).
+            SELECT d.destination, d.kinds,
+                (SELECT min(m.drained_at) FROM almanac.consumer_marks m
+                 WHERE m.sink = $1 AND m.destination = d.destination) AS drained
+            FROM (SELECT destination, array_agg(kind ORDER BY kind) AS kinds
+                  FROM almanac.routes WHERE mode = 'broker' AND sink = $1
+                  GROUP BY destination) d
+        ), open AS MATERIALIZED (
+            SELECT destination FROM gates
+            WHERE drained IS NULL OR drained > now() - $2 * interval '1 millisecond'
+        ), candidates AS MATERIALIZED (
             SELECT j.id, j.run_at FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
             WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
+              AND r.destination IN (SELECT destination FROM open)
               AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
               AND (j.run_at, j.id) > (coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
               AND NOT EXISTS (
@@ -172,11 +227,17 @@ pub async fn redrive<'e>(
             WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)
         ), last AS (
             SELECT run_at, id FROM candidates ORDER BY run_at DESC, id DESC LIMIT 1
+        ), held AS (
+            SELECT destination, to_jsonb(kinds) AS kinds, drained FROM gates
+            WHERE destination NOT IN (SELECT destination FROM open)
         )
         SELECT (SELECT n FROM redriven),
             coalesce($5, now() - $2 * interval '1 millisecond'),
             (SELECT run_at FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
-            (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000)
+            (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
+            array(SELECT destination FROM held ORDER BY destination),
+            array(SELECT kinds FROM held ORDER BY destination),
+            array(SELECT drained FROM held ORDER BY destination)
         "#,
     )
     .bind(sink)
@@ -187,7 +248,21 @@ pub async fn redrive<'e>(
     .fetch_one(db)
     .await?;
     let next = run_at.zip(id).map(|after| RedriveCursor { until, after });
-    Ok((redriven as u64, next))
+    let held = held
+        .into_iter()
+        .zip(kinds)
+        .zip(drained)
+        .map(|((destination, kinds), drained_at)| Held {
+            destination,
+            kinds: kinds.0,
+            drained_at,
+        })
+        .collect();
+    Ok(RedriveStep {
+        redriven: redriven as u64,
+        next,
+        held,
+    })
 }
 
 /// Buries the jobs of outbox rows the broker rejected for good: a ready job

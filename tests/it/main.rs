@@ -31,6 +31,7 @@ mod leader_faults;
 mod migration;
 mod ops;
 mod queue;
+mod redrive_gate;
 mod relay;
 mod relay_faults;
 mod relay_routes;
