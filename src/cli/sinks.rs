@@ -75,7 +75,7 @@ pub struct RelayFlags {
     /// Tries after which an outbox row the broker cannot route is marked failed and its job dead [default: 10].
     #[arg(long, env = "ALMANAC_MAX_PUBLISH_ATTEMPTS")]
     pub max_publish_attempts: Option<i32>,
-    /// How long a relay holds a claimed batch before another relay may publish it again [default: 60s].
+    /// How long a relay holds a claimed batch before another relay may publish it again; the relay gives a batch up before it ends. Longer than three --ack-timeouts and 10s [default: 60s].
     #[arg(long, env = "ALMANAC_IN_FLIGHT_LEASE")]
     pub in_flight_lease: Option<HumanDuration>,
     /// How often the relay repairs jobs and outbox rows that disagree with their route [default: 60s].
@@ -119,13 +119,16 @@ impl RelayFlags {
 }
 
 /// Refuses an `--in-flight-lease` no longer than [`crate::relay::in_flight_bound`]
-/// of the ack timeout; checked only where a relay runs.
+/// of the ack timeout: what a batch takes while the broker answers in time.
+/// The lease is the bound the relay keeps (it gives a batch up before its
+/// lease ends, whatever the broker does); a shorter one would give healthy
+/// batches up. Checked only where a relay runs.
 pub fn check_in_flight(config: &RelayConfig, sinks: &SinkConfig) -> anyhow::Result<()> {
     {
         let needed = crate::relay::in_flight_bound(sinks.ack_timeout);
         if config.in_flight_lease <= needed {
             bail!(
-                "--in-flight-lease ({:?}) must be longer than {:?} with --ack-timeout {:?} (three ack timeouts and {:?}: a pipelined batch waits for the one before it, then for room to send, then for its acks, then is marked); shorter, a batch still in flight would be claimed again and sent twice. Raise --in-flight-lease or lower --ack-timeout",
+                "--in-flight-lease ({:?}) must be longer than {:?} with --ack-timeout {:?} (three ack timeouts and {:?}: what a pipelined batch takes while the broker answers in time: the batch before it, room to send, its acks, its mark); the relay gives a batch up when its lease runs out, so with a shorter lease healthy batches would be given up and sent again. Raise --in-flight-lease or lower --ack-timeout",
                 config.in_flight_lease,
                 needed,
                 sinks.ack_timeout,

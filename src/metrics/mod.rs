@@ -113,6 +113,7 @@ pub struct Metrics {
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
     pub route_unserved: Gauges<KindSinkLabel>,
     pub relay_notifications: Family<SinkLabel, Counter>,
+    pub relay_blocked: Family<SinkLabel, Gauge>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -306,6 +307,12 @@ impl Metrics {
             "Outbox notifications this process's relays read (they are read even while a sink fails)",
             relay_notifications.clone(),
         );
+        let relay_blocked = Family::<SinkLabel, Gauge>::default();
+        registry.register(
+            "relay_broker_blocked",
+            "1 while the broker blocks this process's relay from publishing (RabbitMQ connection.blocked: a memory or disk alarm), else 0",
+            relay_blocked.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             jobs,
@@ -337,6 +344,7 @@ impl Metrics {
             consumer_other_kind,
             route_unserved,
             relay_notifications,
+            relay_blocked,
         }
     }
 
@@ -423,6 +431,13 @@ impl Metrics {
                 sink: sink_name.to_string(),
             })
             .inc();
+    }
+
+    /// Whether the broker blocks the relay of `sink_name` from publishing.
+    pub fn record_relay_blocked(&self, sink_name: &str, blocked: bool) {
+        self.relay_blocked
+            .get_or_create(&sink(sink_name))
+            .set(i64::from(blocked));
     }
 
     /// A message of `kind` on `destination` that a consumer had no handler for.

@@ -19,9 +19,11 @@ pub struct RelayConfig {
     /// Delay before a failed row is tried again (doubling per attempt); also
     /// paces the relay after a failed batch.
     pub retry: Backoff,
-    /// How long a claimed row stays with the relay that claimed it; must be
-    /// longer than publishing a batch takes (`almanac run` requires more
-    /// than [`super::in_flight_bound`] of the ack timeout).
+    /// How long a claimed row stays with the relay that claimed it: the
+    /// whole time a batch may take, from its claim to its mark (the relay
+    /// gives a batch up before its lease ends). `almanac run` requires more
+    /// than [`super::in_flight_bound`] of the ack timeout, what a batch takes
+    /// while the broker answers in time.
     pub in_flight_lease: Duration,
     /// Tries after which an unroutable row is marked failed.
     pub max_publish_attempts: i32,

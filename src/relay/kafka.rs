@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::warn;
 
+use super::publisher::Deadline;
 use super::OutboxRow;
 use crate::broker::kafka::{admin, classify, ensure_topic, producer_with};
 use crate::broker::{PublishError, SinkConfig, SinkError};
@@ -168,28 +169,38 @@ impl KafkaPublisher {
         })
     }
 
-    pub async fn ensure(&mut self, topic: &str) -> Result<(), PublishError> {
+    pub async fn ensure(&mut self, topic: &str, by: Deadline) -> Result<(), PublishError> {
         if self.ensured.contains(topic) {
             return Ok(());
         }
-        ensure_topic(
+        let create = ensure_topic(
             &self.admin,
             topic,
             self.partitions,
             self.replication,
             self.ack_timeout,
-        )
-        .await?;
+        );
+        tokio::time::timeout_at(by.wait(self.ack_timeout), create)
+            .await
+            .map_err(|_| {
+                by.timed_out(
+                    &format!("Kafka did not create topic `{topic}`"),
+                    self.ack_timeout,
+                    "not sent",
+                )
+            })??;
         self.ensured.insert(topic.to_string());
         Ok(())
     }
 
     /// Hands `rows` (whose destinations are prepared) to the producer
     /// without waiting for the broker. A full local queue waits for room
-    /// (up to `ack_timeout` for the whole batch) instead of failing.
-    pub async fn send(&mut self, rows: &[&OutboxRow]) -> KafkaInFlight {
+    /// (up to `ack_timeout` for the whole batch, or until `by`) instead of
+    /// failing; reports still missing at `ack_timeout` and
+    /// [`REPORT_GRACE`] from now, or at `by`, read as "maybe sent".
+    pub async fn send(&mut self, rows: &[&OutboxRow], by: Deadline) -> KafkaInFlight {
         let batch = Deliveries::new(rows.len());
-        let room_by = Instant::now() + self.ack_timeout;
+        let room_by = by.wait(self.ack_timeout);
         // Paces the waits for room in a full producer queue.
         let mut room = Retry::new(Duration::from_millis(1), Duration::from_millis(20));
         for (index, row) in rows.iter().enumerate() {
@@ -232,7 +243,7 @@ impl KafkaPublisher {
         }
         KafkaInFlight {
             batch,
-            deadline: Instant::now() + self.ack_timeout + REPORT_GRACE,
+            deadline: by.wait(self.ack_timeout + REPORT_GRACE),
         }
     }
 

@@ -28,6 +28,19 @@
 //!   once. Such a row is marked failed with its reason and its job, when it is
 //!   a ready `broker` job, goes `dead` with that reason (a `dual` job stays
 //!   for workers). The other rows of the batch are not affected.
+//! - **A batch never outlives its lease.** Everything a batch waits for,
+//!   from its claim to its mark (the batch before it, destination set-up,
+//!   reconnects, writing, acknowledgements), ends by its [`Deadline`]: its
+//!   in-flight lease less the time its mark needs ([`mark_reserve`]). Past
+//!   it the rows not acknowledged are retried ("maybe sent", one more copy
+//!   at most), and a mark that comes after the lease marks nothing, so no
+//!   row is recorded by two batches, whatever the broker does.
+//! - **A blocked broker.** RabbitMQ blocks publishers on a memory or disk
+//!   alarm (`connection.blocked`). The batch it caught fails retriable at
+//!   its deadline; while the block lasts the relay claims nothing (no row
+//!   is written into a blocked connection twice) but goes on maintaining
+//!   and reading its notifications, says so once in the log and in
+//!   `almanac_relay_broker_blocked{sink}`, and drains as soon as it lifts.
 //! - **Crash between publish and mark.** The rows stay claimed until their
 //!   in-flight lease ends, then come due and are published again: the message
 //!   arrives twice, and the consumer's claim through the job fence makes the
@@ -75,7 +88,7 @@ use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
 pub use config::{Failpoint, RelayConfig, MAX_BATCH_SIZE};
 pub use outbox::{Claimed, FailedRow, OutboxRow, SinkOutboxStats};
-pub use publisher::{InFlight, Publisher};
+pub use publisher::{Deadline, InFlight, Publisher};
 
 pub const NOTIFY_CHANNEL: &str = "almanac_outbox";
 
@@ -127,6 +140,10 @@ pub struct Relay {
     held: Vec<String>,
     /// When a claim last started from the start of the due rows.
     claimed_from_start: Instant,
+    /// Cancelled at shutdown: a drain claims no further batch.
+    stop: CancellationToken,
+    /// Whether the broker blocked the publisher when last looked at.
+    blocked: bool,
 }
 
 /// How long claims may start after the previous batch instead of from the
@@ -146,7 +163,31 @@ impl Relay {
             redrive_from: None,
             held: Vec::new(),
             claimed_from_start: Instant::now(),
+            stop: CancellationToken::new(),
+            blocked: false,
         }
+    }
+
+    /// When `batch` must be done with the broker: its lease less
+    /// [`mark_reserve`].
+    fn deadline(&self, batch: &Claimed) -> Deadline {
+        Deadline(batch.lease_ends - mark_reserve(self.config.in_flight_lease))
+    }
+
+    /// Reads whether the broker blocks the publisher: counted in
+    /// `almanac_relay_broker_blocked`, logged when it changes.
+    fn watch_blocked(&mut self) -> bool {
+        let (sink, blocked) = (self.publisher.sink(), self.publisher.blocked());
+        self.metrics.record_relay_blocked(sink.as_str(), blocked);
+        if blocked != self.blocked {
+            if blocked {
+                warn!(%sink, "the broker blocks publishers (RabbitMQ connection.blocked: a memory or disk alarm); rows wait and nothing is claimed until it lifts");
+            } else {
+                info!(%sink, "the broker no longer blocks publishers; publishing again");
+            }
+            self.blocked = blocked;
+        }
+        blocked
     }
 
     /// Counts into `metrics` (by default, a registry of its own).
@@ -199,7 +240,8 @@ impl Relay {
         if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
-        let results = self.publisher.publish(&claimed.rows).await;
+        let by = self.deadline(&claimed);
+        let results = self.publisher.publish_by(&claimed.rows, by).await;
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));
         }
@@ -234,14 +276,16 @@ impl Relay {
             let mut sent = None;
             if let Some(batch) = claimed.take() {
                 let full = batch.rows.len() as i64 >= self.config.batch_size;
-                // The next claim runs while this batch is handed over.
-                if full || !batch.from_start {
+                // The next claim runs while this batch is handed over
+                // (none once the relay is stopping).
+                if (full || !batch.from_start) && !self.stop.is_cancelled() {
                     let after = if full { batch.last } else { None };
                     next_claim = Some(tokio::spawn(self.claim(after)));
                     stop = false;
                 }
                 if !batch.rows.is_empty() {
-                    let in_flight = self.publisher.send(&batch.rows).await;
+                    let by = self.deadline(&batch);
+                    let in_flight = self.publisher.send(&batch.rows, by).await;
                     sent = Some((batch, in_flight));
                 }
             }
@@ -435,6 +479,8 @@ impl Role for Relay {
     async fn run(mut self, shutdown: CancellationToken) -> Result<(), RelayError> {
         let sink = self.publisher.sink();
         info!(%sink, "relay started");
+        self.stop = shutdown.clone();
+        self.watch_blocked();
         // LISTEN is set up (and retried, with its own pacing) in a task of
         // its own, so a database slow to give a connection never holds the
         // drain; polling covers for it meanwhile. Once up, another task reads
@@ -469,7 +515,17 @@ impl Role for Relay {
                 None => {}
             }
             self.maintain(&mut next_redrive, &mut next_reconcile).await;
-            let pause = match self.drain().await {
+            if self.watch_blocked() {
+                // Nothing is claimed while the broker blocks publishers;
+                // looked at again shortly (lapin has no wake-up for it).
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = sleep(BLOCKED_POLL) => continue,
+                }
+            }
+            let drained = self.drain().await;
+            self.watch_blocked();
+            let pause = match drained {
                 Ok(r) if r.retried > 0 => retry.failed(),
                 Ok(_) => {
                     retry.succeeded();
@@ -649,21 +705,32 @@ impl Drainer {
     }
 }
 
-/// Beyond three ack timeouts, what a batch in flight may still take (the
-/// Kafka delivery reports' grace, and the mark).
+/// How often a relay whose broker blocks publishers looks again.
+const BLOCKED_POLL: Duration = Duration::from_millis(500);
+
+/// What a batch's mark may take at most: [`mark_reserve`].
+pub const MARK_RESERVE: Duration = Duration::from_secs(5);
+
+/// The end of a batch's in-flight lease kept for its mark: the batch is
+/// done with the broker by then ([`Deadline`]). [`MARK_RESERVE`], or a
+/// quarter of a shorter lease's.
+pub fn mark_reserve(in_flight_lease: Duration) -> Duration {
+    MARK_RESERVE.min(in_flight_lease / 4)
+}
+
+/// Beyond three ack timeouts, what a healthy batch in flight may still
+/// take: the Kafka delivery reports' grace, and [`MARK_RESERVE`].
 pub const IN_FLIGHT_MARGIN: Duration = Duration::from_secs(10);
 
-/// The least `--in-flight-lease` must exceed with `ack_timeout`: a claimed
-/// batch waits for the batch before it (pipelined: up to one ack timeout),
-/// for room to send or a connection (one more), for its acknowledgements
-/// (one more), and is marked. **Not an upper bound:** setting up
-/// destinations (a topic creation or a RabbitMQ reconnect per destination,
-/// each up to an ack timeout), the Kafka delivery reports' grace on two
-/// batches, and RabbitMQ waits without a deadline (a publisher blocked by a
-/// broker alarm) can keep a batch longer; its rows are then claimed again
-/// and their messages go out twice (the marks are fenced by token, so
-/// nothing is lost). A per-batch deadline or renewing the lease of batches
-/// in flight is the fix, not built yet (issue #20, items 5 and 9).
+/// What a batch takes at most while the broker answers every call within
+/// `ack_timeout`, and so what `--in-flight-lease` must exceed: it waits for
+/// the batch before it (pipelined: up to one ack timeout), for room to send
+/// or a connection (one more), for its acknowledgements (one more), and is
+/// marked. The lease itself is the hard bound, whatever the broker does
+/// (destination set-up, reconnects, a broker that stops answering or blocks
+/// publishers): a batch is given up at its [`Deadline`] and a mark after its
+/// lease marks nothing. With a lease shorter than this bound healthy batches
+/// would be given up and sent again.
 pub fn in_flight_bound(ack_timeout: Duration) -> Duration {
     ack_timeout * 3 + IN_FLIGHT_MARGIN
 }

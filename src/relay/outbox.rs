@@ -66,6 +66,10 @@ pub struct Claimed {
     pub last: Option<ClaimPosition>,
     /// Whether the claim started from the start of the due rows.
     pub from_start: bool,
+    /// When the batch's in-flight lease ends at the latest, on this
+    /// process's clock: the claim was sent no earlier than `lease` before
+    /// (the database starts the lease when it runs the claim, later).
+    pub lease_ends: tokio::time::Instant,
 }
 
 /// A place in the order claims take rows in: `available_at`, then id.
@@ -121,6 +125,7 @@ pub async fn claim_after(
     after: Option<ClaimPosition>,
 ) -> Result<Claimed, sqlx::Error> {
     let token = Uuid::new_v4();
+    let lease_ends = tokio::time::Instant::now() + lease;
     let query = || {
         sqlx::query_as::<_, RawRow>(
             "SELECT * FROM almanac.claim_outbox($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -161,6 +166,7 @@ pub async fn claim_after(
         rows,
         last,
         from_start: after.is_none(),
+        lease_ends,
     })
 }
 
@@ -232,9 +238,10 @@ pub struct Marked {
 }
 
 /// Records a claimed batch's outcome (`outcomes` names every row of the
-/// claim) if the batch still holds its rows;
-/// otherwise (its lease ran out and another relay claimed them again, or
-/// `route set` re-addressed them) marks nothing. Published rows are deleted
+/// claim) if the batch still holds its rows and its lease has not ended;
+/// otherwise (its lease ran out, whether or not another relay claimed them
+/// again, or `route set` re-addressed them) marks nothing: the rows come
+/// due again and go out once more. Published rows are deleted
 /// and the batch becomes the record of their publication (re-drive reads
 /// it); a batch with nothing published is deleted. Rows to retry get their
 /// error and a later `available_at`, failed rows `failed_at` and their
@@ -302,7 +309,12 @@ pub async fn mark(pool: &PgPool, token: Uuid, outcomes: &Outcomes) -> Result<Mar
 /// jobs, `$4` asynchronous commit, `$5` every claimed row published (the
 /// batch keeps its stored `ids`: not written again), `$6` and `$7` the
 /// lowest and highest job (the record's `job_span`; the baseline migration
-/// says why a span).
+/// says why a span). A batch whose in-flight lease has ended is not marked,
+/// whether or not a claim took its rows again: the lease is the whole time
+/// a batch may take, so a relay that comes back late records nothing and
+/// its rows go out once more, by whoever claims them next. (Left: a mark
+/// that starts before the lease ends and commits after a claim read the
+/// rows again; the relay starts its marks [`super::mark_reserve`] before.)
 pub const MARK_BATCH_SQL: &str = r#"
         WITH commit_mode AS (
             SELECT set_config('synchronous_commit', CASE WHEN $4 THEN 'off' ELSE 'on' END, true)
@@ -310,11 +322,13 @@ pub const MARK_BATCH_SQL: &str = r#"
             UPDATE almanac.outbox_batches
             SET published_at = now(), ids = CASE WHEN $5 THEN ids ELSE $2 END, job_ids = $3,
                 job_span = int8range($6, $7, '[]')
-            WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) > 0
+            WHERE token = $1 AND published_at IS NULL AND lease_until > clock_timestamp()
+              AND cardinality($2::bigint[]) > 0
             RETURNING token
         ), dropped AS (
             DELETE FROM almanac.outbox_batches
-            WHERE token = $1 AND published_at IS NULL AND cardinality($2::bigint[]) = 0
+            WHERE token = $1 AND published_at IS NULL AND lease_until > clock_timestamp()
+              AND cardinality($2::bigint[]) = 0
             RETURNING token
         ), deleted AS (
             DELETE FROM almanac.outbox AS o USING published

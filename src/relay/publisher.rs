@@ -2,10 +2,17 @@
 //! broker acknowledged it. One row's trouble stays that row's: a message over
 //! the size limit or a destination that cannot be prepared fails only the
 //! rows concerned; the others of the batch go out.
+//!
+//! Every wait on a broker (connecting, declaring or creating a destination,
+//! writing, acknowledgements) ends at the sooner of `ack_timeout` from its
+//! start and the batch's [`Deadline`]: a broker that stops answering, or
+//! blocks publishers, never holds a batch past its in-flight lease.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use futures::future::join_all;
+use tokio::time::Instant;
 
 use super::kafka::{KafkaInFlight, KafkaPublisher};
 use super::rabbitmq::{self, RabbitPublisher};
@@ -46,19 +53,45 @@ impl Publisher {
         }
     }
 
-    /// Makes sure the destination exists (topic; exchange, queue and binding).
+    /// Whether the broker blocks this publisher (RabbitMQ's
+    /// `connection.blocked`, sent on a memory or disk alarm): nothing is
+    /// written until it lifts, and batches fail retriable at once.
+    pub fn blocked(&self) -> bool {
+        match &self.inner {
+            Inner::Kafka(_) => false,
+            Inner::Rabbit(p) => p.blocked(),
+        }
+    }
+
+    /// Makes sure the destination exists (topic; exchange, queue and
+    /// binding), within `ack_timeout`.
     pub async fn ensure(&mut self, destination: &str) -> Result<(), PublishError> {
+        self.ensure_by(destination, Deadline::none()).await
+    }
+
+    /// [`Publisher::ensure`], giving up at `by` if sooner.
+    pub async fn ensure_by(&mut self, destination: &str, by: Deadline) -> Result<(), PublishError> {
         match &mut self.inner {
-            Inner::Kafka(p) => p.ensure(destination).await,
-            Inner::Rabbit(p) => p.ensure(destination).await,
+            Inner::Kafka(p) => p.ensure(destination, by).await,
+            Inner::Rabbit(p) => p.ensure(destination, by).await,
         }
     }
 
     /// One result per row, in order: `Ok` only for an acknowledged publish.
     /// Rows over `max_message_bytes` fail [`PublishError::Fatal`] without
-    /// being sent.
+    /// being sent. Each wait on the broker is bounded by `ack_timeout` only.
     pub async fn publish(&mut self, rows: &[OutboxRow]) -> Vec<Result<(), PublishError>> {
-        let in_flight = self.send(rows).await;
+        self.publish_by(rows, Deadline::none()).await
+    }
+
+    /// [`Publisher::publish`], done with the broker by `by`: rows not
+    /// acknowledged by then are [`PublishError::Retriable`] (maybe sent).
+    pub async fn publish_by(
+        &mut self,
+        rows: &[OutboxRow],
+        by: Deadline,
+    ) -> Vec<Result<(), PublishError>> {
+        let in_flight = self.send(rows, by).await;
         let results = in_flight.acks(rows).await;
         self.settle(rows, &results);
         results
@@ -67,8 +100,10 @@ impl Publisher {
     /// Prepares the destinations and hands `rows` to the broker without
     /// waiting for acknowledgements: those come with [`InFlight::acks`], and
     /// another batch may be sent meanwhile. Call [`Publisher::settle`] with
-    /// the results.
-    pub async fn send(&mut self, rows: &[OutboxRow]) -> InFlight {
+    /// the results. Nothing here or in [`InFlight::acks`] waits past `by`:
+    /// rows whose destination is not ready by then are not sent, and
+    /// acknowledgements still missing then count as "maybe sent".
+    pub async fn send(&mut self, rows: &[OutboxRow], by: Deadline) -> InFlight {
         let max_message_bytes = self.max_message_bytes;
         let mut early: Vec<Option<Result<(), PublishError>>> = vec![None; rows.len()];
         let mut prepared: HashMap<&str, Result<(), PublishError>> = HashMap::new();
@@ -79,7 +114,11 @@ impl Publisher {
                 continue;
             }
             if !prepared.contains_key(row.destination.as_str()) {
-                let result = self.ensure(&row.destination).await;
+                let result = if by.passed() {
+                    Err(by.missed("not sent"))
+                } else {
+                    self.ensure_by(&row.destination, by).await
+                };
                 prepared.insert(&row.destination, result);
             }
             match &prepared[row.destination.as_str()] {
@@ -90,8 +129,16 @@ impl Publisher {
         let batch: Vec<&OutboxRow> = to_send.iter().map(|&i| &rows[i]).collect();
         let acks = match &mut self.inner {
             _ if batch.is_empty() => Acks::Nothing,
-            Inner::Kafka(p) => Acks::Kafka(p.send(&batch).await),
-            Inner::Rabbit(p) => Acks::Rabbit(p.send(&batch).await),
+            _ if by.passed() => {
+                let missed = by.missed("not sent");
+                for &i in &to_send {
+                    early[i] = Some(Err(missed.clone()));
+                }
+                to_send.clear();
+                Acks::Nothing
+            }
+            Inner::Kafka(p) => Acks::Kafka(p.send(&batch, by).await),
+            Inner::Rabbit(p) => Acks::Rabbit(p.send(&batch, by).await),
         };
         InFlight {
             early,
@@ -160,6 +207,55 @@ impl InFlight {
     }
 }
 
+/// When a batch must be done with the broker: its in-flight lease, less
+/// the time its mark needs. Past it the batch is given up (its rows are
+/// retried), so a batch is never held past its lease, whatever the broker
+/// does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline(pub Instant);
+
+impl Deadline {
+    /// No deadline of the batch's own: each wait is bounded by its timeout.
+    pub fn none() -> Deadline {
+        // About 30 years: far enough, and `Instant` arithmetic stays in range.
+        Deadline(Instant::now() + Duration::from_secs(86_400 * 365 * 30))
+    }
+
+    /// The end of one wait on the broker that may take `timeout`.
+    pub fn wait(self, timeout: Duration) -> Instant {
+        self.0.min(Instant::now() + timeout)
+    }
+
+    pub fn passed(self) -> bool {
+        Instant::now() >= self.0
+    }
+
+    /// The error for rows the deadline cut short (`what`: "not sent",
+    /// "maybe sent").
+    pub fn missed(self, what: &str) -> PublishError {
+        PublishError::retriable(
+            format!("gave the batch up at its deadline ({what})"),
+            Plain(
+                "its in-flight lease was running out: the broker was too slow or did not answer"
+                    .into(),
+            ),
+        )
+    }
+
+    /// The error for a wait on the broker that ended at [`Deadline::wait`]
+    /// of `timeout`: the batch's deadline, or the timeout.
+    pub fn timed_out(self, context: &str, timeout: Duration, what: &str) -> PublishError {
+        if self.passed() {
+            self.missed(what)
+        } else {
+            PublishError::retriable(
+                format!("{context} ({what})"),
+                Plain(format!("no answer within {timeout:?}")),
+            )
+        }
+    }
+}
+
 fn too_large(row: &OutboxRow, limit: usize) -> PublishError {
     PublishError::fatal(
         format!(
@@ -172,4 +268,41 @@ fn too_large(row: &OutboxRow, limit: usize) -> PublishError {
                 .into(),
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_ends_at_its_timeout_or_the_deadline_whichever_comes_first() {
+        let now = Instant::now();
+        let soon = Deadline(now + Duration::from_secs(1));
+        assert!(soon.wait(Duration::from_secs(10)) <= now + Duration::from_secs(1));
+        let later = Deadline::none();
+        assert!(later.wait(Duration::from_secs(10)) > now + Duration::from_secs(9));
+        assert!(!later.passed());
+    }
+
+    #[test]
+    fn a_wait_cut_short_by_the_deadline_says_so() {
+        let passed = Deadline(Instant::now());
+        assert!(passed.passed());
+        assert_eq!(
+            passed
+                .timed_out("no publisher confirm in time", Duration::from_secs(10), "maybe sent")
+                .reason(),
+            "gave the batch up at its deadline (maybe sent): its in-flight lease was running out: the broker was too slow or did not answer"
+        );
+        let timed_out = Deadline::none().timed_out(
+            "no publisher confirm in time",
+            Duration::from_secs(10),
+            "maybe sent",
+        );
+        assert!(matches!(timed_out, PublishError::Retriable { .. }));
+        assert_eq!(
+            timed_out.reason(),
+            "no publisher confirm in time (maybe sent): no answer within 10s"
+        );
+    }
 }

@@ -4,8 +4,20 @@
 //! unroutable message comes back, and an ack that carries a returned message
 //! counts as [`PublishError::Unroutable`]. The whole batch is written to the
 //! channel at once and its publisher confirms are awaited together, under one
-//! deadline (`ack_timeout`), while the relay writes the next batch. Any channel error drops the connection; the next
-//! batch reconnects.
+//! deadline (`ack_timeout`, or the batch's [`Deadline`] if sooner), while
+//! the relay writes the next batch. Any channel error drops the connection;
+//! the next batch reconnects.
+//!
+//! **A blocked broker.** On a memory or disk alarm RabbitMQ sends
+//! `connection.blocked` and stops reading from publishing connections;
+//! lapin then writes nothing (heartbeats and closes included) until
+//! `connection.unblocked`. Every wait here has a deadline, so a batch that
+//! was being written or confirmed when the alarm came fails retriable
+//! ("maybe sent": frames still in lapin's buffer go out when the alarm
+//! lifts). While the connection is blocked nothing more is written: a
+//! batch fails retriable at once, naming the alarm, and the connection is
+//! kept (a new one would be blocked at its first publish, with a batch in
+//! its buffer). So after an alarm a row has at most one extra copy.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -15,8 +27,10 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
+use tokio::time::{timeout_at, Instant};
 use tracing::warn;
 
+use super::publisher::Deadline;
 use super::OutboxRow;
 use crate::broker::rabbitmq::{connect, declare_destination};
 use crate::broker::{Plain, PublishError, SinkConfig, SinkError};
@@ -41,26 +55,60 @@ impl RabbitPublisher {
         }
     }
 
-    async fn channel(&mut self) -> Result<Channel, PublishError> {
+    /// Whether RabbitMQ told this publisher's connection that it blocks
+    /// publishers (`connection.blocked`). A connection that broke while
+    /// blocked keeps lapin's flag: it does not count (the next batch
+    /// reconnects).
+    pub fn blocked(&self) -> bool {
+        self.link.as_ref().is_some_and(|(conn, _)| {
+            let status = conn.status();
+            status.connected() && status.blocked()
+        })
+    }
+
+    async fn channel(&mut self, by: Deadline) -> Result<Channel, PublishError> {
         if let Some((conn, channel)) = &self.link {
             if conn.status().connected() && channel.status().connected() {
+                if conn.status().blocked() {
+                    return Err(blocked("not sent"));
+                }
                 return Ok(channel.clone());
             }
         }
         self.link = None;
         self.ensured.clear();
-        let (conn, channel) = connect(&self.url, self.ack_timeout)
-            .await
-            .map_err(|e| match e {
-                SinkError::Publish(e) => e,
-                other => {
-                    PublishError::retriable("RabbitMQ is unreachable", Plain(other.to_string()))
-                }
-            })?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| PublishError::retriable("RabbitMQ refused publisher confirms", e))?;
+        if by.passed() {
+            return Err(by.missed("not sent"));
+        }
+        let limit = by
+            .wait(self.ack_timeout)
+            .saturating_duration_since(Instant::now());
+        let (conn, channel) = connect(&self.url, limit).await.map_err(|e| match e {
+            _ if by.passed() => by.missed("not sent"),
+            SinkError::Publish(e) => e,
+            other => PublishError::retriable("RabbitMQ is unreachable", Plain(other.to_string())),
+        })?;
+        match timeout_at(
+            by.wait(self.ack_timeout),
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                return Err(PublishError::retriable(
+                    "RabbitMQ refused publisher confirms",
+                    e,
+                ))
+            }
+            Err(_) => {
+                return Err(by.timed_out(
+                    "RabbitMQ did not turn on publisher confirms",
+                    self.ack_timeout,
+                    "not sent",
+                ))
+            }
+        }
         self.link = Some((conn, channel.clone()));
         Ok(channel)
     }
@@ -75,35 +123,57 @@ impl RabbitPublisher {
         self.ensured.clear();
     }
 
-    pub async fn ensure(&mut self, destination: &str) -> Result<(), PublishError> {
+    pub async fn ensure(&mut self, destination: &str, by: Deadline) -> Result<(), PublishError> {
         if self.ensured.contains(destination) {
             return Ok(());
         }
-        let channel = self.channel().await?;
-        if let Err(e) = declare_destination(&channel, destination).await {
-            // A refused declare closes the channel too.
-            self.broken("declare failed");
-            return Err(e);
+        let channel = self.channel(by).await?;
+        match timeout_at(
+            by.wait(self.ack_timeout),
+            declare_destination(&channel, destination),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                // A refused declare closes the channel too.
+                self.broken("declare failed");
+                return Err(e);
+            }
+            Err(_) if self.blocked() => return Err(blocked("not sent")),
+            Err(_) => {
+                self.broken("declare timed out");
+                return Err(by.timed_out(
+                    &format!("RabbitMQ did not declare `{destination}`"),
+                    self.ack_timeout,
+                    "not sent",
+                ));
+            }
         }
         self.ensured.insert(destination.to_string());
         Ok(())
     }
 
     /// Writes `rows` (whose destinations are prepared) to the channel, in
-    /// order; one future per row resolves with its publisher confirm, all
-    /// under one deadline (`ack_timeout` from now).
-    pub async fn send(&mut self, rows: &[&OutboxRow]) -> Vec<Pending> {
-        let channel = match self.channel().await {
+    /// order; one future per row resolves with its publisher confirm. The
+    /// writes and the confirms share one deadline: `ack_timeout` from now,
+    /// or `by` if sooner.
+    pub async fn send(&mut self, rows: &[&OutboxRow], by: Deadline) -> Vec<Pending> {
+        let fail_all = |e: PublishError| -> Vec<Pending> {
+            rows.iter()
+                .map(|_| Box::pin(std::future::ready(Err(e.clone()))) as Pending)
+                .collect()
+        };
+        let channel = match self.channel(by).await {
             Ok(channel) => channel,
-            Err(e) => {
-                return rows
-                    .iter()
-                    .map(|_| Box::pin(std::future::ready(Err(e.clone()))) as Pending)
-                    .collect()
-            }
+            Err(e) => return fail_all(e),
+        };
+        let status = match &self.link {
+            Some((conn, _)) => conn.status().clone(),
+            None => return fail_all(blocked("not sent")),
         };
         let ack_timeout = self.ack_timeout;
-        let deadline = tokio::time::Instant::now() + ack_timeout;
+        let deadline = by.wait(ack_timeout);
         let options = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
@@ -130,8 +200,18 @@ impl RabbitPublisher {
                 properties,
             )
         });
-        join_all(publishes)
-            .await
+        // lapin queues each message's frames when its future is first
+        // polled; the await is for their writing, which a blocked
+        // connection holds back: what is not written by the deadline goes
+        // out when (if) the connection can write again.
+        let Ok(written) = timeout_at(deadline, join_all(publishes)).await else {
+            return fail_all(if status.blocked() {
+                blocked("maybe sent")
+            } else {
+                by.timed_out("RabbitMQ did not take the batch", ack_timeout, "maybe sent")
+            });
+        };
+        written
             .into_iter()
             .map(|published| -> Pending {
                 let confirm = match published {
@@ -143,11 +223,14 @@ impl RabbitPublisher {
                         ))))
                     }
                 };
+                let status = status.clone();
                 Box::pin(async move {
-                    match tokio::time::timeout_at(deadline, confirm).await {
-                        Err(_) => Err(PublishError::retriable(
-                            "no publisher confirm in time (maybe sent)",
-                            Plain(format!("waited {ack_timeout:?}")),
+                    match timeout_at(deadline, confirm).await {
+                        Err(_) if status.blocked() => Err(blocked("maybe sent")),
+                        Err(_) => Err(by.timed_out(
+                            "no publisher confirm in time",
+                            ack_timeout,
+                            "maybe sent",
                         )),
                         Ok(Err(e)) => Err(link_error("RabbitMQ confirm failed", e)),
                         Ok(Ok(Confirmation::Ack(None))) => Ok(()),
@@ -179,12 +262,15 @@ impl RabbitPublisher {
     }
 
     /// Bookkeeping after a batch's confirms settled: the link is dropped
-    /// after retriable failures, destinations whose messages came back are
-    /// declared again before the next try.
+    /// after retriable failures (unless RabbitMQ blocks it: it is not
+    /// broken, and a new one would be blocked too, with a batch written into
+    /// it), destinations whose messages came back are declared again before
+    /// the next try.
     pub fn settle(&mut self, rows: &[&OutboxRow], results: &[Result<(), PublishError>]) {
-        if results
-            .iter()
-            .any(|r| matches!(r, Err(PublishError::Retriable { .. })))
+        if !self.blocked()
+            && results
+                .iter()
+                .any(|r| matches!(r, Err(PublishError::Retriable { .. })))
         {
             self.broken("publish or confirm failed");
         }
@@ -195,11 +281,29 @@ impl RabbitPublisher {
         }
     }
 
+    /// Closes the connection, within `ack_timeout`. A blocked connection
+    /// cannot write its close: it is dropped instead.
     pub async fn close(&mut self) {
         if let Some((conn, _)) = self.link.take() {
-            let _ = conn.close(200, "almanac relay stopping").await;
+            if conn.status().blocked() {
+                return;
+            }
+            let close = conn.close(200, "almanac relay stopping");
+            let _ = tokio::time::timeout(self.ack_timeout, close).await;
         }
     }
+}
+
+/// What a batch meets while RabbitMQ blocks publishers.
+/// `what`: "not sent" or "maybe sent".
+fn blocked(what: &str) -> PublishError {
+    PublishError::retriable(
+        format!("RabbitMQ blocks publishers (connection.blocked: a memory or disk alarm; {what})"),
+        Plain(
+            "the rows wait and are tried again once the alarm clears; `rabbitmqctl status` lists the alarm"
+                .into(),
+        ),
+    )
 }
 
 /// A publish or confirm that failed with the channel: the message may or may

@@ -33,6 +33,7 @@ mod ops;
 mod queue;
 mod redrive_gate;
 mod relay;
+mod relay_bounds;
 mod relay_faults;
 mod relay_routes;
 mod reprocess;

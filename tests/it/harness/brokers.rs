@@ -1,9 +1,12 @@
 //! Broker helpers: addresses (from the environment, with local defaults),
-//! unique destinations, raw readers, a private tansu. The TCP proxy is
+//! unique destinations, raw readers, a private tansu, RabbitMQ's memory
+//! alarm and the lock that keeps it from other tests. The TCP proxy is
 //! [`super::proxy`].
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
@@ -28,9 +31,109 @@ pub fn kafka_brokers() -> String {
     std::env::var("ALMANAC_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// The shared RabbitMQ's URL. Holds [`RABBITMQ`] shared for the rest of
+/// the calling test: every test that uses RabbitMQ calls this (directly or
+/// through [`sinks`]) before it touches the broker.
 pub fn amqp_url() -> String {
+    share_rabbitmq();
     std::env::var("ALMANAC_TEST_AMQP")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// RabbitMQ is one node for every test of the process, and some faults are
+/// the node's (an alarm blocks every publisher on it): a test that raises
+/// one holds this lock exclusively ([`rabbitmq_alone`]); every other test
+/// that uses RabbitMQ holds it shared from its first [`amqp_url`] to its
+/// end. The guard lives in a thread-local: libtest runs each test on a
+/// thread of its own, and the thread's end (pass or panic) releases it.
+static RABBITMQ: RwLock<()> = RwLock::new(());
+
+enum Hold {
+    Shared(#[allow(dead_code)] RwLockReadGuard<'static, ()>),
+    Alone(#[allow(dead_code)] RwLockWriteGuard<'static, ()>),
+}
+
+thread_local! {
+    static HELD: RefCell<Option<Hold>> = const { RefCell::new(None) };
+}
+
+fn share_rabbitmq() {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        if held.is_none() {
+            let guard = RABBITMQ.read().unwrap_or_else(|e| e.into_inner());
+            *held = Some(Hold::Shared(guard));
+        }
+    });
+}
+
+/// Waits until no other test uses RabbitMQ, then keeps it for this test
+/// (its thread) until the test ends. Blocks the thread: call it first.
+pub fn rabbitmq_alone() {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        if matches!(*held, Some(Hold::Alone(_))) {
+            return;
+        }
+        // A thread that ran an earlier test may still hold it shared.
+        *held = None;
+        let guard = RABBITMQ.write().unwrap_or_else(|e| e.into_inner());
+        *held = Some(Hold::Alone(guard));
+    });
+}
+
+/// RabbitMQ's memory alarm, raised (`vm_memory_high_watermark` 0: the node
+/// blocks every publisher) until dropped, which puts back the watermark
+/// read before, even when the test panics. Take [`rabbitmq_alone`] first.
+pub struct MemoryAlarm {
+    restore: Vec<String>,
+}
+
+impl MemoryAlarm {
+    pub fn raise() -> MemoryAlarm {
+        let status = rabbitmqctl(&["status", "--formatter", "json"]);
+        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+        let setting = &status["vm_memory_high_watermark_setting"];
+        let restore = if let Some(relative) = setting["relative"].as_f64() {
+            vec![relative.to_string()]
+        } else if let Some(absolute) = setting["absolute"].as_u64() {
+            vec!["absolute".to_string(), absolute.to_string()]
+        } else {
+            panic!("unknown vm_memory_high_watermark_setting: {setting}");
+        };
+        assert!(
+            status["alarms"].as_array().is_some_and(|a| a.is_empty()),
+            "RabbitMQ already has an alarm: {}",
+            status["alarms"]
+        );
+        let alarm = MemoryAlarm { restore };
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0"]);
+        alarm
+    }
+}
+
+impl Drop for MemoryAlarm {
+    fn drop(&mut self) {
+        let mut args = vec!["set_vm_memory_high_watermark"];
+        args.extend(self.restore.iter().map(String::as_str));
+        let out = Command::new("rabbitmqctl").args(&args).output();
+        if !matches!(&out, Ok(o) if o.status.success()) && !std::thread::panicking() {
+            panic!("restoring RabbitMQ's memory watermark ({args:?}) failed: {out:?}");
+        }
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl on PATH");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
 }
 
 pub fn unique(name: &str) -> String {
