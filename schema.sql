@@ -244,6 +244,19 @@ END $$;
 
 
 --
+-- Name: consumer_marks; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.consumer_marks (
+    sink text NOT NULL,
+    destination text NOT NULL,
+    partition integer NOT NULL,
+    drained_at timestamp with time zone NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+
+--
 -- Name: jobs_id_seq; Type: SEQUENCE; Schema: almanac; Owner: -
 --
 
@@ -395,6 +408,14 @@ CREATE TABLE almanac.schedules (
     CONSTRAINT schedules_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text])))
 );
+
+
+--
+-- Name: consumer_marks consumer_marks_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.consumer_marks
+    ADD CONSTRAINT consumer_marks_pkey PRIMARY KEY (sink, destination, partition);
 
 
 --
@@ -616,6 +637,13 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 --
 
 CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
+
+
+--
+-- Name: jobs jobs_retake_route; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_retake_route BEFORE UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((new.status = 'ready'::text) AND (old.status <> 'ready'::text))) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

@@ -6,7 +6,14 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    almanac::cli::main().await
+fn main() -> ExitCode {
+    // A job command's watchdog (almanac::worker::watchdog): no runtime, no CLI.
+    if let Some(code) = almanac::worker::watchdog::main_if_called() {
+        return code;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("could not start the tokio runtime")
+        .block_on(almanac::cli::main())
 }

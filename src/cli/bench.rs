@@ -252,7 +252,7 @@ async fn raw_burn(pool: &PgPool, connections: usize, batch: usize, n: u64) -> an
                     .iter()
                     .map(|j| (j.id, j.lease_token.expect("claimed")))
                     .collect();
-                queue::complete_many(&mut *conn, &leases).await?;
+                queue::complete_many(&mut conn, &leases).await?;
             }
         });
     }
@@ -276,8 +276,10 @@ async fn burn(pool: &PgPool, config: WorkerConfig, jobs: u64) -> anyhow::Result<
 }
 
 async fn burn_exec(pool: &PgPool) -> anyhow::Result<f64> {
-    let worker = Worker::new(pool.clone(), WorkerConfig::for_commands().validated()?)
-        .register(KIND, ExecHandler::new("true"));
+    let worker = Worker::new(pool.clone(), WorkerConfig::for_commands().validated()?).register(
+        KIND,
+        ExecHandler::new("true").watchdog(crate::worker::watchdog::this_executable()),
+    );
     timed_burn(pool, worker, None).await
 }
 

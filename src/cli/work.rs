@@ -89,6 +89,7 @@ impl WorkerFlags {
     /// The exec handler for `command` with these settings.
     pub fn exec_handler(&self, ctx: &Ctx, command: String) -> ExecHandler {
         ExecHandler::new(command)
+            .watchdog(crate::worker::watchdog::this_executable())
             .timeout(self.command_timeout(ctx))
             .pass_env(self.pass_env.iter().cloned())
     }

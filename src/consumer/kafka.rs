@@ -69,6 +69,28 @@ pub(super) async fn run(
             }
         }
     }
+    // Whether the topic is drained, for the re-drive gate (`super::marks`).
+    let checks = super::marks::kafka_client(&brokers, &group)?;
+    let watching = shutdown.child_token();
+    let watcher = {
+        let (client, topic, timeout) = (checks.clone(), topic.clone(), consumer.sinks.ack_timeout);
+        tokio::spawn(super::marks::watch(
+            consumer.pool.clone(),
+            SinkKind::Kafka,
+            topic.clone(),
+            watching.clone(),
+            move || {
+                let (client, topic) = (client.clone(), topic.clone());
+                async move {
+                    tokio::task::spawn_blocking(move || {
+                        super::marks::kafka_drained(&client, &topic, timeout)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?
+                }
+            },
+        ))
+    };
     // Sessions in the group: one until shutdown, unless a message of a kind
     // this consumer cannot run makes it step out for a while.
     let mut away = Retry::new(Duration::from_secs(2), Duration::from_secs(30));
@@ -94,6 +116,9 @@ pub(super) async fn run(
             break;
         }
     }
+    watching.cancel();
+    let _ = watcher.await;
+    let _ = tokio::task::spawn_blocking(move || drop(checks)).await;
     // No final "commit what was consumed": the consumed offsets include a
     // message left unhandled at shutdown, which must be delivered again.
     // Each handled message was committed above; one lost in flight comes

@@ -43,6 +43,12 @@
 //! the release writes a fresh outbox row, so the message in hand is acked).
 //! Nothing waits for a lease to expire.
 //!
+//! **Drain marks.** About once a second a running consumer asks its broker
+//! whether every message published to its destination so far has been
+//! taken, and records when it was (`almanac.consumer_marks`; `consumer/marks.rs` says how):
+//! the relay re-drives a destination's stranded jobs only after such a
+//! drain, so a consumer outage does not multiply messages.
+//!
 //! Kafka messages are handled one at a time per consumer (commit order is
 //! offset order); scale out with partitions and more consumers. A handler
 //! that runs longer than Kafka's `max.poll.interval.ms` (5 minutes) makes the
@@ -51,6 +57,7 @@
 //! once (the prefetch).
 
 mod kafka;
+mod marks;
 mod rabbitmq;
 
 use std::collections::HashMap;

@@ -85,7 +85,14 @@ pub(super) async fn run(
             let deliveries = setup.await.map_err(|e| {
                 SinkError::Broker(format!("cannot consume RabbitMQ queue `{queue}`: {e}"))
             })?;
-            Ok::<_, SinkError>((conn, channel, deliveries))
+            // Drain checks on a channel of their own: a failed check
+            // closes only that one.
+            let checks = conn.create_channel().await.map_err(|e| {
+                SinkError::Broker(format!(
+                    "cannot open a RabbitMQ channel for drain checks: {e}"
+                ))
+            })?;
+            Ok::<_, SinkError>((conn, channel, deliveries, checks))
         };
         // Setting up waits on the broker: bounded, and never past shutdown.
         let session = tokio::select! {
@@ -95,7 +102,7 @@ pub(super) async fn run(
                     "RabbitMQ did not set up the consumer of `{queue}` within {SETUP_DEADLINE:?}"
                 )))),
         };
-        let (conn, channel, mut deliveries) = match session {
+        let (conn, channel, mut deliveries, checks) = match session {
             Ok(session) => session,
             Err(err) => {
                 let told = |pause: Duration| warn!(%err, retry_in_ms = pause.as_millis() as u64, "RabbitMQ consumer cannot start");
@@ -106,6 +113,23 @@ pub(super) async fn run(
             }
         };
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
+        // Whether the queue is drained, for the re-drive gate
+        // (`super::marks`), while this session lasts.
+        let watching = shutdown.child_token();
+        let watching_guard = watching.clone().drop_guard();
+        tokio::spawn({
+            let (checks, name, timeout) = (checks, queue.clone(), consumer.sinks.ack_timeout);
+            super::marks::watch(
+                consumer.pool.clone(),
+                SinkKind::Rabbitmq,
+                queue.clone(),
+                watching,
+                move || {
+                    let (checks, name) = (checks.clone(), name.clone());
+                    async move { super::marks::rabbitmq_drained(&checks, &name, timeout).await }
+                },
+            )
+        });
         let started = tokio::time::Instant::now();
         // The pause before reconnecting resets only once a session delivered:
         // a session the broker ends at once (a cancelled consumer, a closed
@@ -164,6 +188,7 @@ pub(super) async fn run(
                 }
             });
         }
+        drop(watching_guard);
         let _ = tokio::time::timeout(SETUP_DEADLINE, conn.close(200, "reconnecting")).await;
         if started.elapsed() >= SETUP_DEADLINE {
             // A session that lasted was healthy, idle or not.

@@ -205,6 +205,7 @@ async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<
 pub struct Held {
     options: PgConnectOptions,
     deadline: Duration,
+    lock_wait: Duration,
     conn: Option<PgConnection>,
 }
 
@@ -215,15 +216,23 @@ impl Held {
         Held {
             options: (*pool.connect_options()).clone(),
             deadline,
+            lock_wait: deadline,
             conn: None,
         }
+    }
+
+    /// Row and other lock waits end after `wait` instead of the deadline:
+    /// for writers that would rather skip a busy row than wait for it.
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait.min(self.deadline);
+        self
     }
 
     /// The connection, connecting first if there is none.
     pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if self.conn.is_none() {
             let mut conn = PgConnection::connect_with(&self.options).await?;
-            bound_by(&mut conn, self.deadline).await?;
+            bound_by(&mut conn, self.deadline, self.lock_wait).await?;
             self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("connected above"))
@@ -236,15 +245,19 @@ impl Held {
 }
 
 /// Gives a session the server-side limits [`Held`] describes: statements
-/// and lock waits end after `deadline`, and a silent network drops the
-/// connection after it. Set after connecting, not as startup options:
-/// poolers such as PgBouncer refuse those.
-async fn bound_by(conn: &mut PgConnection, deadline: Duration) -> Result<(), sqlx::Error> {
+/// end after `deadline`, lock waits after `lock_wait`, and a silent network
+/// drops the connection after `deadline`. Set after connecting, not as
+/// startup options: poolers such as PgBouncer refuse those.
+async fn bound_by(
+    conn: &mut PgConnection,
+    deadline: Duration,
+    lock_wait: Duration,
+) -> Result<(), sqlx::Error> {
     let ms = deadline.as_millis().max(1);
     let idle = (deadline.as_secs() / 3).max(1);
     sqlx::query(
         "SELECT set_config('statement_timeout', $1, false), \
-                set_config('lock_timeout', $1, false), \
+                set_config('lock_timeout', $3, false), \
                 set_config('tcp_user_timeout', $1, false), \
                 set_config('tcp_keepalives_idle', $2, false), \
                 set_config('tcp_keepalives_interval', $2, false), \
@@ -252,6 +265,7 @@ async fn bound_by(conn: &mut PgConnection, deadline: Duration) -> Result<(), sql
     )
     .bind(ms.to_string())
     .bind(idle.to_string())
+    .bind(lock_wait.as_millis().max(1).to_string())
     .execute(conn)
     .await?;
     Ok(())
@@ -266,7 +280,7 @@ pub fn bounded_pool(pool: &PgPool, deadline: Duration, acquire: Duration, max: u
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max.max(1))
         .acquire_timeout(acquire)
-        .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline)))
+        .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline, deadline)))
         .connect_lazy_with((*pool.connect_options()).clone())
 }
 

@@ -178,22 +178,44 @@ pub async fn claim_by_id(
     Ok(other.map_or(ClaimById::Skip, ClaimById::OtherKind))
 }
 
-/// Marks one job done if its lease is still held and unexpired.
+/// Marks one job done if its lease is still held and unexpired (waiting
+/// for its row if another transaction holds it).
 pub async fn complete<'e>(
     db: impl PgExecutor<'e>,
     id: i64,
     token: Uuid,
 ) -> Result<Fenced<()>, QueueError> {
-    let done = complete_many(db, &[(id, token)]).await?;
-    Ok(if done.is_empty() {
-        Fenced::Lost
-    } else {
+    let done = sqlx::query(
+        r#"
+        UPDATE almanac.jobs
+        SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
+        WHERE id = $1 AND lease_token = $2 AND lease_until > clock_timestamp()
+        "#,
+    )
+    .bind(id)
+    .bind(token)
+    .execute(db)
+    .await?;
+    Ok(if done.rows_affected() == 1 {
         Fenced::Held(())
+    } else {
+        Fenced::Lost
     })
 }
 
-/// Marks a batch done in one statement; returns the ids whose lease was held.
-/// The others were lost and are left as they are.
+/// What a batched fenced write did with each lease of its batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    /// Written: the lease was held.
+    pub ids: Vec<i64>,
+    /// Not written because another transaction held the job's row at that
+    /// moment (the lease looked held): try again. Ids in neither list lost
+    /// their lease.
+    pub busy: Vec<i64>,
+}
+
+/// Marks a batch done; returns the ids whose lease was held. The others
+/// were lost and are left as they are, or their rows were busy.
 ///
 /// The batched fenced writes (this, [`heartbeat_many`], [`release`]) match
 /// on the token alone, without `status = 'running'`: a row holds a token
@@ -203,15 +225,21 @@ pub async fn complete<'e>(
 /// (and every dead index entry of rows that were running) for each id in
 /// the batch, three times the cost of primary-key lookups at 100 in flight,
 /// and growing with the backlog.
-pub async fn complete_many<'e>(
-    db: impl PgExecutor<'e>,
+///
+/// **One locked row never holds up the batch.** The plain statement runs
+/// first (no row-lock records: the cheapest write); when it gives up
+/// waiting for a row lock (`lock_timeout` on the connection, which the
+/// worker keeps short), the batch is written again skipping locked rows,
+/// which come back as [`Written::busy`].
+pub async fn complete_many(
+    conn: &mut PgConnection,
     leases: &[(i64, Uuid)],
-) -> Result<Vec<i64>, QueueError> {
+) -> Result<Written, QueueError> {
     if leases.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Written::default());
     }
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    let done: Vec<(i64,)> = sqlx::query_as(
+    let plain = sqlx::query_scalar(
         r#"
         UPDATE almanac.jobs AS j
         SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
@@ -223,9 +251,70 @@ pub async fn complete_many<'e>(
     )
     .bind(&ids)
     .bind(&tokens)
-    .fetch_all(db)
-    .await?;
-    Ok(done.into_iter().map(|(id,)| id).collect())
+    .fetch_all(&mut *conn)
+    .await;
+    match plain {
+        Ok(ids) => Ok(Written {
+            ids,
+            busy: Vec::new(),
+        }),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            skipping_locked(conn, COMPLETE_SKIPPING_LOCKED, &ids, &tokens, None).await
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `lock_not_available`: a lock wait ran past `lock_timeout`.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// [`complete_many`]'s write when a row was busy.
+const COMPLETE_SKIPPING_LOCKED: &str =
+    "SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()";
+/// [`heartbeat_many`]'s write (`$3`: the lease in milliseconds).
+const RENEW: &str = "SET lease_until = clock_timestamp() + $3 * interval '1 millisecond'";
+
+/// A batched fenced write that skips rows another transaction holds:
+/// `set` is the `SET` clause. The leases held when the statement started
+/// and not written are the busy ones (one that was lost meanwhile shows as
+/// busy once, then as lost).
+async fn skipping_locked(
+    conn: &mut PgConnection,
+    set: &str,
+    ids: &[i64],
+    tokens: &[Uuid],
+    lease: Option<i64>,
+) -> Result<Written, QueueError> {
+    let sql = format!(
+        r#"
+        WITH c AS MATERIALIZED (
+            SELECT * FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+        ), locked AS MATERIALIZED (
+            SELECT j.id FROM almanac.jobs j JOIN c ON j.id = c.id AND j.lease_token = c.token
+            WHERE j.lease_until > clock_timestamp()
+            FOR UPDATE OF j SKIP LOCKED
+        ), written AS (
+            UPDATE almanac.jobs AS j {set}
+            WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
+            RETURNING j.id
+        )
+        SELECT c.id, c.id IN (SELECT id FROM written)
+        FROM c JOIN almanac.jobs j ON j.id = c.id AND j.lease_token = c.token
+        WHERE j.lease_until > clock_timestamp() OR c.id IN (SELECT id FROM written)
+        "#
+    );
+    let mut query = sqlx::query_as::<_, (i64, bool)>(&sql)
+        .bind(ids)
+        .bind(tokens);
+    if let Some(lease) = lease {
+        query = query.bind(lease);
+    }
+    let rows = query.fetch_all(conn).await?;
+    let (written, busy): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, w)| *w);
+    Ok(Written {
+        ids: written.into_iter().map(|(id, _)| id).collect(),
+        busy: busy.into_iter().map(|(id, _)| id).collect(),
+    })
 }
 
 /// Why an attempt failed.
@@ -286,34 +375,21 @@ pub async fn fail<'e>(
     })
 }
 
-/// Extends every held, unexpired lease in the batch to `now + lease`; returns
-/// the ids that were extended. An id missing from the result has lost its
-/// lease, and its handler should stop.
-pub async fn heartbeat_many<'e>(
-    db: impl PgExecutor<'e>,
+/// Extends every held, unexpired lease in the batch to `now + lease`.
+/// [`Written::ids`] were extended; a lease in neither list was lost, and its
+/// handler should stop. A row another transaction holds is skipped
+/// ([`Written::busy`]) instead of holding up every other renewal: its lease
+/// is still held, and the next renewal tries again.
+pub async fn heartbeat_many(
+    conn: &mut PgConnection,
     leases: &[(i64, Uuid)],
     lease: Duration,
-) -> Result<Vec<i64>, QueueError> {
+) -> Result<Written, QueueError> {
     if leases.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Written::default());
     }
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    let held: Vec<(i64,)> = sqlx::query_as(
-        r#"
-        UPDATE almanac.jobs AS j
-        SET lease_until = clock_timestamp() + $3 * interval '1 millisecond'
-        FROM unnest($1::bigint[], $2::uuid[]) AS h(id, token)
-        WHERE j.id = h.id AND j.lease_token = h.token
-          AND j.lease_until > clock_timestamp()
-        RETURNING j.id
-        "#,
-    )
-    .bind(&ids)
-    .bind(&tokens)
-    .bind(millis(lease))
-    .fetch_all(db)
-    .await?;
-    Ok(held.into_iter().map(|(id,)| id).collect())
+    skipping_locked(conn, RENEW, &ids, &tokens, Some(millis(lease))).await
 }
 
 /// Gives held leases back: the jobs are `ready` and due at once, or `dead`

@@ -56,7 +56,7 @@ pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
-    statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, CLAIM_SQL,
+    statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, Written, CLAIM_SQL,
 };
 pub use retention::delete_finished;
 

@@ -1,11 +1,12 @@
 //! The statements on `almanac.jobs` that routes and the relay run: moving a
-//! kind's unfinished jobs to its route, the reconcile that repairs jobs whose
+//! kind's ready jobs to its route, window by window, the reconcile that repairs jobs whose
 //! route disagrees with `almanac.routes`, re-drive of stranded broker jobs,
 //! and burying the job of an outbox row the broker rejected for good.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::types::Json;
 use sqlx::{PgConnection, PgExecutor};
 
 /// The advisory lock key of `kind`'s route: every insert of a job takes it
@@ -35,26 +36,66 @@ pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<Str
         .collect())
 }
 
-/// Moves `kind`'s ready and running jobs to `mode`; the outbox trigger
-/// writes rows for ready jobs leaving `db`. Returns how many moved.
-pub async fn move_kind(
+/// Where a walk of a kind's ready jobs stands: after this `(run_at, id)`.
+pub type WalkCursor = (DateTime<Utc>, i64);
+
+/// One window of a walk over `kind`'s ready jobs: the next `limit` of them
+/// after `after`, in `(run_at, id)` order (an ordered range of
+/// `jobs_ready_kind_idx`, so a window costs its own rows, not the backlog
+/// before it). Those whose route is not the kind's route now are moved to
+/// it (the outbox trigger writes rows for jobs leaving `db`); rows locked by
+/// someone else (a worker claiming them) are skipped, not waited for: a
+/// claimed job takes the route when it is ready again (migration 0104).
+/// Running jobs are never touched, so no worker's heartbeat or outcome
+/// waits behind a route change. Returns the window's ids, how many moved,
+/// and where the next window starts (`None`: the walk is over).
+pub async fn move_window(
     conn: &mut PgConnection,
     kind: &str,
-    mode: &str,
-) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::query(
-        "UPDATE almanac.jobs SET route = $2 \
-         WHERE kind = $1 AND status IN ('ready', 'running') AND route <> $2",
+    after: Option<WalkCursor>,
+    limit: i64,
+) -> Result<(Vec<i64>, u64, Option<WalkCursor>), sqlx::Error> {
+    type Window = (Vec<i64>, i64, Option<DateTime<Utc>>, Option<i64>);
+    let (ids, moved, run_at, id): Window = sqlx::query_as(
+        r#"
+        WITH w AS MATERIALIZED (
+            SELECT id, run_at FROM almanac.jobs
+            WHERE status = 'ready' AND kind = $1
+              AND (kind, run_at, id) > ($1, coalesce($2, '-infinity'::timestamptz), coalesce($3, 0))
+            ORDER BY kind, run_at, id
+            LIMIT $4
+        ), mode AS MATERIALIZED (
+            SELECT coalesce((SELECT mode FROM almanac.routes WHERE kind = $1), 'db') AS m
+        ), locked AS MATERIALIZED (
+            SELECT j.id FROM almanac.jobs j
+            WHERE j.id = ANY (ARRAY(SELECT id FROM w)) AND j.status = 'ready'
+              AND j.route <> (SELECT m FROM mode)
+            FOR UPDATE SKIP LOCKED
+        ), moved AS (
+            UPDATE almanac.jobs j SET route = (SELECT m FROM mode)
+            WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
+            RETURNING j.id
+        ), last AS (
+            SELECT run_at, id FROM w ORDER BY run_at DESC, id DESC LIMIT 1
+        )
+        SELECT ARRAY(SELECT id FROM w), (SELECT count(*) FROM moved),
+            (SELECT run_at FROM last WHERE (SELECT count(*) FROM w) = $4),
+            (SELECT id FROM last WHERE (SELECT count(*) FROM w) = $4)
+        "#,
     )
     .bind(kind)
-    .bind(mode)
-    .execute(conn)
-    .await?
-    .rows_affected())
+    .bind(after.map(|c| c.0))
+    .bind(after.map(|c| c.1))
+    .bind(limit)
+    .fetch_one(conn)
+    .await?;
+    Ok((ids, moved as u64, run_at.zip(id)))
 }
 
-/// Kinds with a route that have ready or running jobs on another route (an
-/// enqueue whose REPEATABLE READ snapshot predates the last `route set`).
+/// Kinds with a route that have ready jobs on another route: a walk of
+/// [`move_window`]s that was cut short (a `route set` interrupted), a row a
+/// worker held when the walk passed it, or an enqueue whose REPEATABLE READ
+/// snapshot predates the last `route set`.
 pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         r#"
@@ -62,30 +103,11 @@ pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>,
         WHERE EXISTS (
             SELECT 1 FROM almanac.jobs AS j
             WHERE j.kind = r.kind AND j.status = 'ready' AND j.route <> r.mode)
-           OR EXISTS (
-            SELECT 1 FROM almanac.jobs AS j
-            WHERE j.kind = r.kind AND j.status = 'running' AND j.route <> r.mode)
         ORDER BY r.kind
         "#,
     )
     .fetch_all(db)
     .await
-}
-
-/// Moves `kind`'s unfinished jobs to the route `almanac.routes` gives it.
-pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::query(
-        r#"
-        UPDATE almanac.jobs AS j SET route = r.mode
-        FROM almanac.routes AS r
-        WHERE r.kind = j.kind AND j.kind = $1
-          AND j.status IN ('ready', 'running') AND j.route <> r.mode
-        "#,
-    )
-    .bind(kind)
-    .execute(conn)
-    .await?
-    .rows_affected())
 }
 
 /// Where a re-drive sweep stands: candidates due by `until` (fixed when the
@@ -95,6 +117,30 @@ pub async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<u64, 
 pub struct RedriveCursor {
     pub until: DateTime<Utc>,
     pub after: (DateTime<Utc>, i64),
+}
+
+/// A destination whose stranded jobs re-drive holds back: its consumers
+/// record drains (`almanac.consumer_marks`) and some partition has not been
+/// drained within `redrive_after`, so a message may still wait there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub destination: String,
+    /// The kinds routed there (sorted).
+    pub kinds: Vec<String>,
+    /// The oldest of its partitions' last drains.
+    pub drained_at: DateTime<Utc>,
+}
+
+/// What one step of a re-drive sweep did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedriveStep {
+    /// Jobs given a fresh outbox row.
+    pub redriven: u64,
+    /// Where the next step goes on; `None` once the candidates ran out.
+    pub next: Option<RedriveCursor>,
+    /// Destinations held back ([`Held`]), in order, whether or not they
+    /// have candidates.
+    pub held: Vec<Held>,
 }
 
 /// One step of a re-drive sweep: looks at the next 1,000 candidates after
@@ -115,18 +161,48 @@ pub struct RedriveCursor {
 /// jobs are published in about the order they were created, more when jobs
 /// delayed by different amounts widen the spans (at worst every record
 /// published within `after`).
+///
+/// **The drain gate.** Only destinations with no drain marks at all, or
+/// whose every partition was drained within `after`, have candidates: a
+/// candidate was last published more than `after` ago, so a drain since
+/// proves its message is no longer waiting in the broker, and without one
+/// it may be (consumers down or behind) and is not copied again. The gate
+/// reads the marks of this sink's routed destinations once per step (a
+/// primary-key range per destination). The others are returned as
+/// [`RedriveStep::held`].
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
     after: Duration,
     from: Option<RedriveCursor>,
-) -> Result<(u64, Option<RedriveCursor>), sqlx::Error> {
-    type Step = (i64, DateTime<Utc>, Option<DateTime<Utc>>, Option<i64>);
-    let (redriven, until, run_at, id): Step = sqlx::query_as(
+) -> Result<RedriveStep, sqlx::Error> {
+    type Step = (
+        i64,
+        DateTime<Utc>,
+        Option<DateTime<Utc>>,
+        Option<i64>,
+        Vec<String>,
+        Vec<Json<Vec<String>>>,
+        Vec<DateTime<Utc>>,
+    );
+    let (redriven, until, run_at, id, held, kinds, drained): Step = sqlx::query_as(
         r#"
-        WITH candidates AS MATERIALIZED (
+        WITH gates AS MATERIALIZED (
+            -- Each destination of this sink's broker routes, with the oldest
+            -- of its partitions' last drains (NULL: no marks, always open).
+            SELECT d.destination, d.kinds,
+                (SELECT min(m.drained_at) FROM almanac.consumer_marks m
+                 WHERE m.sink = $1 AND m.destination = d.destination) AS drained
+            FROM (SELECT destination, array_agg(kind ORDER BY kind) AS kinds
+                  FROM almanac.routes WHERE mode = 'broker' AND sink = $1
+                  GROUP BY destination) d
+        ), open AS MATERIALIZED (
+            SELECT destination FROM gates
+            WHERE drained IS NULL OR drained > now() - $2 * interval '1 millisecond'
+        ), candidates AS MATERIALIZED (
             SELECT j.id, j.run_at FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
             WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
+              AND r.destination IN (SELECT destination FROM open)
               AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
               AND (j.run_at, j.id) > (coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
               AND NOT EXISTS (
@@ -151,11 +227,17 @@ pub async fn redrive<'e>(
             WHERE j.id IN (SELECT id FROM candidates) AND j.id NOT IN (SELECT id FROM published)
         ), last AS (
             SELECT run_at, id FROM candidates ORDER BY run_at DESC, id DESC LIMIT 1
+        ), held AS (
+            SELECT destination, to_jsonb(kinds) AS kinds, drained FROM gates
+            WHERE destination NOT IN (SELECT destination FROM open)
         )
         SELECT (SELECT n FROM redriven),
             coalesce($5, now() - $2 * interval '1 millisecond'),
             (SELECT run_at FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
-            (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000)
+            (SELECT id FROM last WHERE (SELECT count(*) FROM candidates) = 1000),
+            array(SELECT destination FROM held ORDER BY destination),
+            array(SELECT kinds FROM held ORDER BY destination),
+            array(SELECT drained FROM held ORDER BY destination)
         "#,
     )
     .bind(sink)
@@ -166,7 +248,21 @@ pub async fn redrive<'e>(
     .fetch_one(db)
     .await?;
     let next = run_at.zip(id).map(|after| RedriveCursor { until, after });
-    Ok((redriven as u64, next))
+    let held = held
+        .into_iter()
+        .zip(kinds)
+        .zip(drained)
+        .map(|((destination, kinds), drained_at)| Held {
+            destination,
+            kinds: kinds.0,
+            drained_at,
+        })
+        .collect();
+    Ok(RedriveStep {
+        redriven: redriven as u64,
+        next,
+        held,
+    })
 }
 
 /// Buries the jobs of outbox rows the broker rejected for good: a ready job

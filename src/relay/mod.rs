@@ -62,7 +62,16 @@
 //! - **Re-drive.** A `broker` job that stays ready and due longer than
 //!   `redrive_after` with no row pending on its current route and none
 //!   published there recently (its message was lost, purged or skipped) gets
-//!   a fresh one, so broker mode never strands a job.
+//!   a fresh one, so broker mode never strands a job. **Re-drive does not
+//!   amplify lag:** a destination whose consumers record drains
+//!   (`almanac.consumer_marks`, see [`crate::consumer`]) is re-driven only
+//!   when every partition was drained within `redrive_after`, so a job's
+//!   message is copied again only once a drain after its last publication
+//!   proves that copy is gone; however long consumers are down or behind,
+//!   the broker holds at most one re-driven copy per job beyond the first.
+//!   A destination no consumer records drains for is re-driven as before.
+//!   The relay warns once when it starts holding a destination back, and
+//!   says when it lets it go.
 //! - **Reconcile.** Every `reconcile_interval` the relay repairs jobs whose
 //!   route disagrees with `almanac.routes` and pending rows addressed to a
 //!   sink or destination their kind no longer uses ([`routes::reconcile`]).
@@ -139,6 +148,8 @@ pub struct Relay {
     metrics: Metrics,
     /// Where the re-drive sweep goes on.
     redrive_from: Option<routing::RedriveCursor>,
+    /// Destinations re-drive holds back (not drained), as last told.
+    held: Vec<String>,
     /// When a claim last started from the start of the due rows.
     claimed_from_start: Instant,
     /// Cancelled at shutdown: a drain claims no further batch.
@@ -162,6 +173,7 @@ impl Relay {
             config,
             metrics: Metrics::new(),
             redrive_from: None,
+            held: Vec::new(),
             claimed_from_start: Instant::now(),
             stop: CancellationToken::new(),
             blocked: false,
@@ -410,14 +422,39 @@ impl Relay {
         let start = Instant::now();
         let mut total = 0;
         loop {
-            let (n, next) =
+            let step =
                 routing::redrive(&self.pool, sink.as_str(), after, self.redrive_from).await?;
-            total += n;
-            self.redrive_from = next;
-            if next.is_none() || start.elapsed() >= Duration::from_secs(1) {
+            total += step.redriven;
+            self.redrive_from = step.next;
+            self.tell_held(&step.held);
+            if step.next.is_none() || start.elapsed() >= Duration::from_secs(1) {
                 return Ok(total);
             }
         }
+    }
+
+    /// Says once when re-drive starts holding a destination back, and when
+    /// it lets it go.
+    fn tell_held(&mut self, held: &[routing::Held]) {
+        let sink = self.publisher.sink();
+        for h in held.iter().filter(|h| !self.held.contains(&h.destination)) {
+            warn!(
+                %sink,
+                destination = %h.destination,
+                kinds = ?h.kinds,
+                drained_at = %h.drained_at,
+                redrive_after_ms = self.config.redrive_after.as_millis() as u64,
+                "re-drive held back: the destination's consumers have not drained it within redrive_after, so stranded jobs' messages may still wait there and are not copied again. Start or scale its consumers; re-drive resumes once they drain it"
+            );
+        }
+        for gone in self
+            .held
+            .iter()
+            .filter(|d| !held.iter().any(|h| &h.destination == *d))
+        {
+            info!(%sink, destination = %gone, "re-drive no longer held back for the destination (drained, or no longer routed)");
+        }
+        self.held = held.iter().map(|h| h.destination.clone()).collect();
     }
 
     /// Repairs jobs and rows that disagree with their kind's route.
@@ -754,10 +791,10 @@ pub const RELAY_APPLICATION_PREFIX: &str = "almanac-relay/";
 pub async fn redrive(pool: &PgPool, sink: SinkKind, after: Duration) -> Result<u64, RelayError> {
     let (mut total, mut from) = (0, None);
     loop {
-        let (n, next) = routing::redrive(pool, sink.as_str(), after, from).await?;
-        total += n;
-        match next {
-            Some(_) => from = next,
+        let step = routing::redrive(pool, sink.as_str(), after, from).await?;
+        total += step.redriven;
+        match step.next {
+            Some(_) => from = step.next,
             None => return Ok(total),
         }
     }

@@ -480,19 +480,23 @@ pub struct FailedRow {
     pub error: String,
 }
 
-/// Points the pending rows of `kind`'s jobs at the kind's current sink and
-/// destination when they name others; batches in flight that name them are
-/// dropped (a relay still publishing them marks nothing, and their other
-/// rows come due again) and the rows come due at their
+/// Points the pending rows of the jobs `job_ids` (a window of one kind's
+/// ready jobs, see [`crate::queue::routing::move_window`]) at their kind's
+/// current sink and destination when they name others; batches in flight
+/// that name them are dropped (a relay still publishing them marks nothing,
+/// and their other rows come due again) and the rows come due at their
 /// job's `run_at` with a fresh count of attempts. Rows of jobs now on the
-/// `db` route are deleted: workers run those jobs. `kind = None` does every
-/// kind (the relay's reconcile). Returns (re-addressed, deleted). Run it in
-/// a READ COMMITTED transaction: its statements must see batches claimed
-/// before it took the claim locks (held until the transaction ends).
+/// `db` route are deleted: workers run those jobs. Returns (re-addressed,
+/// deleted). Run it in a READ COMMITTED transaction: its statements must see
+/// batches claimed before it took the claim locks (held until the
+/// transaction ends, so keep the window short).
 pub async fn readdress(
     conn: &mut PgConnection,
-    kind: Option<&str>,
+    job_ids: &[i64],
 ) -> Result<(u64, u64), sqlx::Error> {
+    if job_ids.is_empty() {
+        return Ok((0, 0));
+    }
     // Claims of both sinks wait until this transaction ends, so none picks
     // a row about to move; in-flight batches naming such a row are dropped,
     // so their relays mark nothing. (Batch before rows, as in `mark`.)
@@ -510,14 +514,14 @@ pub async fn readdress(
             JOIN almanac.outbox AS o ON o.id = x.id
             JOIN almanac.jobs AS j ON j.id = o.job_id
             LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-            WHERE ($1::text IS NULL OR j.kind = $1)
+            WHERE o.job_id = ANY($1)
               AND o.published_at IS NULL AND o.failed_at IS NULL
               AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
                    OR (j.route <> 'db' AND r.mode <> 'db'
                        AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))))
         "#,
     )
-    .bind(kind)
+    .bind(job_ids)
     .execute(&mut *conn)
     .await?;
     let moved = sqlx::query(
@@ -526,13 +530,13 @@ pub async fn readdress(
         SET sink = r.sink, destination = r.destination, available_at = j.run_at,
             attempts = 0, last_error = NULL
         FROM almanac.jobs AS j, almanac.routes AS r
-        WHERE o.job_id = j.id AND r.kind = j.kind AND ($1::text IS NULL OR j.kind = $1)
+        WHERE o.job_id = ANY($1) AND o.job_id = j.id AND r.kind = j.kind
           AND o.published_at IS NULL AND o.failed_at IS NULL
           AND j.route <> 'db' AND r.mode <> 'db'
           AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)
         "#,
     )
-    .bind(kind)
+    .bind(job_ids)
     .execute(&mut *conn)
     .await?
     .rows_affected();
@@ -540,12 +544,12 @@ pub async fn readdress(
         r#"
         DELETE FROM almanac.outbox AS o
         USING almanac.jobs AS j
-        WHERE o.job_id = j.id AND ($1::text IS NULL OR j.kind = $1) AND j.route = 'db'
+        WHERE o.job_id = ANY($1) AND o.job_id = j.id AND j.route = 'db'
           AND j.status IN ('ready', 'running')
           AND o.published_at IS NULL AND o.failed_at IS NULL
         "#,
     )
-    .bind(kind)
+    .bind(job_ids)
     .execute(&mut *conn)
     .await?
     .rows_affected();
@@ -558,7 +562,10 @@ pub async fn readdress(
     Ok((moved, dropped))
 }
 
-/// Kinds with pending rows that [`readdress`] would change.
+/// Kinds with ready jobs whose pending rows [`readdress`] would change. (A
+/// running job's row is left alone: a consumer finds the job taken and
+/// skips its message, and the job takes its kind's route when it is ready
+/// again.)
 pub async fn misaddressed_kinds<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         r#"
@@ -566,9 +573,9 @@ pub async fn misaddressed_kinds<'e>(db: impl PgExecutor<'e>) -> Result<Vec<Strin
         FROM almanac.outbox AS o
         JOIN almanac.jobs AS j ON j.id = o.job_id
         LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-        WHERE o.published_at IS NULL AND o.failed_at IS NULL
-          AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
-               OR (j.route <> 'db' AND r.mode <> 'db'
+        WHERE o.published_at IS NULL AND o.failed_at IS NULL AND j.status = 'ready'
+          AND (j.route = 'db'
+               OR (r.mode <> 'db'
                    AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)))
         "#,
     )

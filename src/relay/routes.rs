@@ -5,19 +5,26 @@
 //! relay publishes; whichever of worker and broker consumer claims first
 //! runs the job. `broker`: only broker consumers run it.
 //!
-//! **One transaction per change.** `set` takes the kind's advisory lock
-//! exclusively (enqueue takes it shared, in the insert trigger), updates the
-//! route, moves the kind's ready and running jobs to it (ready jobs leaving
-//! `db` get their outbox rows from the trigger), re-addresses pending outbox
-//! rows to the new sink and destination when those changed (dropping any
-//! batch in flight that names them), and drops pending rows when the kind returns to `db`.
-//! No job is left addressed to a sink or destination the kind no longer uses,
-//! so a retired sink's relay can go away without stranding anything.
-//!
-//! **Never a long stall.** The change runs under `lock_timeout` (default
-//! 5 s): waiting for open transactions that enqueued the kind holds up every
-//! new enqueue of the kind behind it, so past the timeout `set` gives up,
-//! changes nothing, and names the sessions that held the lock.
+//! **A short change, then a walk.** `set` takes the kind's advisory lock
+//! exclusively (enqueue takes it shared, in the insert trigger, and so does
+//! a job coming back to `ready`, migration 0104), writes the route and
+//! commits: new jobs and jobs ready again take the new route from then on.
+//! It then walks the kind's ready jobs in windows of [`WINDOW`], each in a
+//! transaction of its own under the lock taken shared: the window's jobs
+//! move to the route (those leaving `db` get their outbox rows from the
+//! trigger), their pending outbox rows are re-addressed to the new sink and
+//! destination when those changed (dropping any batch in flight that names
+//! them), or dropped when the kind returns to `db`. Rows a worker is
+//! claiming are skipped, not waited for, and running jobs are never
+//! touched: a worker's heartbeats and outcomes never wait behind a route
+//! change, and a backlog of a million jobs moves while enqueues, claims,
+//! relays and the scheduler go on. Until the walk is over, jobs not yet
+//! moved run where they were (`db` jobs of a kind now on the broker wait
+//! for their window). A walk cut short (the command interrupted, a
+//! window that kept failing) is finished by the relays' [`reconcile`], or
+//! by running the same `route set` again. So no ready job stays addressed to
+//! a sink or destination the kind no longer uses, and a retired sink's
+//! relay can go away once the walk is done.
 //!
 //! **Snapshots older than the route.** The insert trigger reads `routes` with
 //! the enqueueing transaction's snapshot. Under READ COMMITTED (PostgreSQL's
@@ -45,6 +52,10 @@ use crate::retry::Retry;
 
 /// How long `set` waits for the kind's lock by default.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many ready jobs one window of a walk looks at (see the module doc):
+/// a few tens of milliseconds of locks at a time.
+pub const WINDOW: i64 = 2_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -130,6 +141,14 @@ pub enum RouteError {
         waited: Duration,
         blockers: Vec<Blocker>,
     },
+    #[error(
+        "the route of kind `{kind}` is changed, but moving its ready jobs stopped after {moved} of them: {source}. Run the same `almanac route set` again to finish, or let a running relay's reconcile sweep finish it"
+    )]
+    Unfinished {
+        kind: String,
+        moved: u64,
+        source: sqlx::Error,
+    },
 }
 
 pub async fn list(conn: &mut PgConnection) -> Result<Vec<Route>, RouteError> {
@@ -170,7 +189,7 @@ pub async fn resolve(
 #[derive(Debug, Clone, Serialize)]
 pub struct RouteChange {
     pub route: Route,
-    /// Ready and running jobs of the kind moved to the new route.
+    /// Ready jobs of the kind moved to the new route.
     pub jobs_moved: u64,
     /// Pending outbox rows pointed at the new sink or destination.
     pub rows_readdressed: u64,
@@ -189,8 +208,8 @@ pub async fn set(
     set_within(conn, kind, mode, sink, destination, DEFAULT_LOCK_TIMEOUT).await
 }
 
-/// Changes `kind`'s route in one transaction (see the module doc), waiting
-/// at most `lock_timeout` for any lock it needs.
+/// Changes `kind`'s route, waiting at most `lock_timeout` for the kind's
+/// lock, then moves its ready jobs (see the module doc).
 pub async fn set_within(
     conn: &mut PgConnection,
     kind: &str,
@@ -199,51 +218,42 @@ pub async fn set_within(
     destination: Option<&str>,
     lock_timeout: Duration,
 ) -> Result<RouteChange, RouteError> {
-    // Moving a kind's jobs locks many rows in heap order while workers lock
-    // some of them in theirs (outcomes, heartbeats), so PostgreSQL may pick
-    // this transaction as a deadlock victim. It rolled back whole: try again.
-    // At most 5 tries, paced so the workers' statements get through between.
-    let mut retry = Retry::new(Duration::from_millis(50), Duration::from_secs(1));
-    let result = loop {
-        match set_in_tx(conn, kind, mode, sink, destination, lock_timeout).await {
-            Err(RouteError::Db(sqlx::Error::Database(e)))
-                if e.code().as_deref() == Some("40P01") && retry.failures() < 4 =>
-            {
-                let pause = retry.failed();
-                tracing::warn!(
-                    kind,
-                    tries = retry.failures(),
-                    retry_in_ms = pause.as_millis() as u64,
-                    "route set was a deadlock victim; retrying"
-                );
-                tokio::time::sleep(pause).await;
-            }
-            other => break other,
-        }
-    };
-    match result {
+    let route = match write_route(conn, kind, mode, sink, destination, lock_timeout).await {
         Err(RouteError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("55P03") => {
             let blockers = lock_holders(conn, kind).await.unwrap_or_default();
-            Err(RouteError::LockTimeout {
+            return Err(RouteError::LockTimeout {
                 kind: kind.to_string(),
                 waited: lock_timeout,
                 blockers,
-            })
+            });
         }
-        other => other,
-    }
+        other => other?,
+    };
+    let walked = walk(conn, kind, Persist::Retry)
+        .await
+        .map_err(|(moved, source)| RouteError::Unfinished {
+            kind: kind.to_string(),
+            moved: moved.jobs_moved,
+            source,
+        })?;
+    Ok(RouteChange {
+        route,
+        jobs_moved: walked.jobs_moved,
+        rows_readdressed: walked.rows_readdressed,
+        rows_dropped: walked.rows_dropped,
+    })
 }
 
-async fn set_in_tx(
+/// The route change itself: one short transaction under the kind's lock,
+/// held exclusively.
+async fn write_route(
     conn: &mut PgConnection,
     kind: &str,
     mode: RouteMode,
     sink: Option<SinkKind>,
     destination: Option<&str>,
     lock_timeout: Duration,
-) -> Result<RouteChange, RouteError> {
-    // READ COMMITTED whatever the session's default: `outbox::readdress`
-    // must see batches claimed before it took the claim locks.
+) -> Result<Route, RouteError> {
     let mut tx = conn
         .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
         .await?;
@@ -270,21 +280,103 @@ async fn set_in_tx(
     .bind(destination.as_deref())
     .fetch_one(&mut *tx)
     .await?;
-    let moved = routing::move_kind(&mut tx, kind, mode.as_str()).await?;
-    let (readdressed, dropped) = outbox::readdress(&mut tx, Some(kind)).await?;
-    // Workers wake and re-claim when a kind comes back to the database.
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(crate::queue::NOTIFY_CHANNEL)
-        .bind(kind)
+    tx.commit().await?;
+    Ok(route)
+}
+
+/// What a window that cannot get its locks does: `set` retries it, paced
+/// (a busy moment passes); the relay's reconcile leaves the kind for its
+/// next sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Persist {
+    Retry,
+    GiveUp,
+}
+
+/// Walks `kind`'s ready jobs window by window (see the module doc). On an
+/// error, returns what was done before it.
+async fn walk(
+    conn: &mut PgConnection,
+    kind: &str,
+    persist: Persist,
+) -> Result<Reconciled, (Reconciled, sqlx::Error)> {
+    let mut done = Reconciled::default();
+    let mut cursor = None;
+    let mut retry = Retry::new(Duration::from_millis(50), Duration::from_secs(1));
+    let mut said = tokio::time::Instant::now();
+    loop {
+        match window(conn, kind, cursor).await {
+            Ok((step, next)) => {
+                retry.succeeded();
+                done.jobs_moved += step.jobs_moved;
+                done.rows_readdressed += step.rows_readdressed;
+                done.rows_dropped += step.rows_dropped;
+                if said.elapsed() >= Duration::from_secs(5) {
+                    said = tokio::time::Instant::now();
+                    tracing::info!(
+                        kind,
+                        moved = done.jobs_moved,
+                        "moving the kind's ready jobs to its route"
+                    );
+                }
+                match next {
+                    Some(next) => cursor = Some(next),
+                    None => return Ok(done),
+                }
+            }
+            // A deadlock victim (outbox rows a relay's mark holds) or a lock
+            // busy past a second: the window rolled back whole.
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("40P01" | "55P03"))
+                    && persist == Persist::Retry
+                    && retry.failures() < 8 =>
+            {
+                let pause = retry.failed();
+                tracing::warn!(kind, tries = retry.failures(), retry_in_ms = pause.as_millis() as u64, error = %e, "a window of the route walk could not get its locks; retrying");
+                tokio::time::sleep(pause).await;
+            }
+            Err(e) => return Err((done, e)),
+        }
+    }
+}
+
+/// One window of the walk in its own transaction. READ COMMITTED whatever
+/// the session's default: `outbox::readdress` must see batches claimed
+/// before it took the claim locks.
+async fn window(
+    conn: &mut PgConnection,
+    kind: &str,
+    after: Option<routing::WalkCursor>,
+) -> Result<(Reconciled, Option<routing::WalkCursor>), sqlx::Error> {
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
+    sqlx::query("SELECT set_config('lock_timeout', '1000ms', true)")
         .execute(&mut *tx)
         .await?;
+    sqlx::query("SELECT pg_advisory_xact_lock_shared(hashtext($1))")
+        .bind(lock_key(kind))
+        .execute(&mut *tx)
+        .await?;
+    let (ids, jobs_moved, next) = routing::move_window(&mut tx, kind, after, WINDOW).await?;
+    let (rows_readdressed, rows_dropped) = outbox::readdress(&mut tx, &ids).await?;
+    if jobs_moved > 0 {
+        // Workers wake and claim when jobs come back to the database.
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(crate::queue::NOTIFY_CHANNEL)
+            .bind(kind)
+            .execute(&mut *tx)
+            .await?;
+    }
     tx.commit().await?;
-    Ok(RouteChange {
-        route,
-        jobs_moved: moved,
-        rows_readdressed: readdressed,
-        rows_dropped: dropped,
-    })
+    Ok((
+        Reconciled {
+            jobs_moved,
+            rows_readdressed,
+            rows_dropped,
+        },
+        next,
+    ))
 }
 
 /// Sessions holding `kind`'s route lock (shared: transactions that
@@ -319,11 +411,11 @@ pub struct Reconciled {
     pub rows_dropped: u64,
 }
 
-/// Moves jobs whose route disagrees with `almanac.routes` onto it and points
-/// pending outbox rows at their kind's current sink and destination (see the
-/// module doc). Each kind in its own short transaction under its lock
-/// (shared, so enqueues go on, but after any `route set` in progress); a
-/// kind whose locks are not free within a second is left for the next sweep.
+/// Moves ready jobs whose route disagrees with `almanac.routes` onto it and
+/// points their pending outbox rows at their kind's current sink and
+/// destination (see the module doc): a walk of each such kind, window by
+/// window. A window whose locks are not free within a second ends the
+/// kind's walk until the next sweep.
 pub async fn reconcile(conn: &mut PgConnection) -> Result<Reconciled, sqlx::Error> {
     let mut done = Reconciled::default();
     let mut kinds = routing::kinds_off_route(&mut *conn).await?;
@@ -331,38 +423,18 @@ pub async fn reconcile(conn: &mut PgConnection) -> Result<Reconciled, sqlx::Erro
     kinds.sort_unstable();
     kinds.dedup();
     for kind in kinds {
-        match reconcile_kind(conn, &kind).await {
-            Ok(r) => {
-                done.jobs_moved += r.jobs_moved;
-                done.rows_readdressed += r.rows_readdressed;
-                done.rows_dropped += r.rows_dropped;
+        let walked = match walk(conn, &kind, Persist::GiveUp).await {
+            Ok(walked) => walked,
+            Err((walked, sqlx::Error::Database(e)))
+                if matches!(e.code().as_deref(), Some("40P01" | "55P03")) =>
+            {
+                walked
             }
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {}
-            Err(e) => return Err(e),
-        }
+            Err((_, e)) => return Err(e),
+        };
+        done.jobs_moved += walked.jobs_moved;
+        done.rows_readdressed += walked.rows_readdressed;
+        done.rows_dropped += walked.rows_dropped;
     }
     Ok(done)
-}
-
-async fn reconcile_kind(conn: &mut PgConnection, kind: &str) -> Result<Reconciled, sqlx::Error> {
-    // READ COMMITTED whatever the session's default: `outbox::readdress`
-    // must see batches claimed before it took the claim locks.
-    let mut tx = conn
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
-    sqlx::query("SELECT set_config('lock_timeout', '1000ms', true)")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("SELECT pg_advisory_xact_lock_shared(hashtext($1))")
-        .bind(lock_key(kind))
-        .execute(&mut *tx)
-        .await?;
-    let jobs_moved = routing::reconcile_kind(&mut tx, kind).await?;
-    let (rows_readdressed, rows_dropped) = outbox::readdress(&mut tx, Some(kind)).await?;
-    tx.commit().await?;
-    Ok(Reconciled {
-        jobs_moved,
-        rows_readdressed,
-        rows_dropped,
-    })
 }

@@ -5,11 +5,27 @@
 //! JSON on stdin and a clean environment: only the allow-list [`ALLOWED_ENV`]
 //! (`PATH`, `HOME`, `LANG`, `TZ`) taken from the service's own, the names
 //! given with [`ExecHandler::pass_env`] (`--pass-env NAME`), and the job's
-//! variables `ALMANAC_JOB_ID`, `ALMANAC_KIND`, `ALMANAC_ATTEMPT`,
-//! `ALMANAC_MAX_ATTEMPTS`, `ALMANAC_IDEMPOTENCY_KEY` (and
-//! `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE` when set). The service's
-//! connection strings (`DATABASE_URL`, `ALMANAC_AMQP_URL`, ...) never reach a
-//! command unless named with `--pass-env`. Its stdout passes through.
+//! variables:
+//!
+//! | variable | value |
+//! | --- | --- |
+//! | `ALMANAC_JOB_ID`, `ALMANAC_KIND` | the job |
+//! | `ALMANAC_ATTEMPT`, `ALMANAC_MAX_ATTEMPTS` | this attempt (from 1), and the most it gets |
+//! | `ALMANAC_IDEMPOTENCY_KEY` | the key to pass on, so a re-run has no second effect |
+//! | `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE` | for scheduled jobs only |
+//! | `ALMANAC_LEASE_TOKEN` | this attempt's lease token, to fence writes with |
+//! | `ALMANAC_LEASE_DEADLINE` | `lease_until` as the claim set it, RFC 3339 UTC on the database's clock; renewals move it every third of the lease, and without them the command is killed a fifth of the lease before it |
+//!
+//! A command that writes to the job's database fences a write by locking
+//! its own lease in the same transaction: `SELECT 1 FROM almanac.jobs WHERE
+//! id = $ALMANAC_JOB_ID AND lease_token = $ALMANAC_LEASE_TOKEN AND status =
+//! 'running' AND lease_until > clock_timestamp() FOR SHARE` returns no row
+//! once the lease is lost, and while it is held the reaper cannot take the
+//! job back before the transaction ends.
+//!
+//! The service's connection strings (`DATABASE_URL`, `ALMANAC_AMQP_URL`, ...)
+//! never reach a command unless named with `--pass-env`. Its stdout passes
+//! through.
 //!
 //! | the command | the job |
 //! | --- | --- |
@@ -23,16 +39,29 @@
 //! process that left the group (`setsid`) is out of reach, so stderr is read
 //! for at most [`STDERR_GRACE`] after the shell ended. The last few KiB of
 //! stderr become `last_error`.
+//!
+//! **The command cannot outlive its lease, even when the worker can't act.**
+//! The group is led by a [`watchdog`] process, started before the command,
+//! which the worker tells each renewed local lease deadline. When the
+//! deadline passes unrenewed, or the worker's pipe closes because it died,
+//! the watchdog kills the group on its own (SIGTERM, SIGKILL after half the
+//! lease margin), so a worker that is stopped (SIGSTOP, a debugger) or
+//! killed cannot leave its command running into the next worker's run of the
+//! job. What stays out of reach (a process that left the group, a machine or
+//! container frozen whole) is in the [`watchdog`] module doc. The watchdog is
+//! the almanac binary itself ([`ExecHandler::watchdog`]).
 
+use std::convert::Infallible;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 
-use super::{Handler, HandlerError, HandlerFuture, JobContext};
+use super::{watchdog, Handler, HandlerError, HandlerFuture, JobContext};
 
 /// The exit status that buries a job at once (sysexits' `EX_DATAERR`).
 pub const EXIT_PERMANENT: i32 = 65;
@@ -47,6 +76,7 @@ pub struct ExecHandler {
     command: String,
     timeout: Option<Duration>,
     pass_env: Arc<[String]>,
+    watchdog: Option<PathBuf>,
 }
 
 impl ExecHandler {
@@ -55,7 +85,16 @@ impl ExecHandler {
             command: command.into(),
             timeout: None,
             pass_env: Arc::new([]),
+            watchdog: None,
         }
+    }
+
+    /// The almanac binary that runs each command's watchdog
+    /// ([`watchdog`]); by default [`watchdog::default_program`]: this
+    /// process when it is almanac, else an `almanac` beside it or on `PATH`.
+    pub fn watchdog(mut self, almanac: impl Into<PathBuf>) -> Self {
+        self.watchdog = Some(almanac.into());
+        self
     }
 
     /// Kill the command and retry the job when it runs longer than this.
@@ -73,6 +112,23 @@ impl ExecHandler {
 
     async fn run(self, ctx: JobContext) -> Result<(), HandlerError> {
         let job = &ctx.job;
+        let program: &Path = match &self.watchdog {
+            Some(program) => program,
+            None => watchdog::default_program()
+                .ok_or_else(|| HandlerError::retry(ExecError::NoWatchdog))?,
+        };
+        // The watchdog first, as the leader of the group the command joins,
+        // so the command never runs unwatched.
+        let mut deadlines = ctx.deadlines();
+        let first = *deadlines.borrow_and_update();
+        let mut watcher = start_watchdog(program, first, &ctx)
+            .map_err(|e| HandlerError::retry(ExecError::Watchdog(e.to_string())))?;
+        let mut renewals = watcher.stdin.take().expect("the watchdog's stdin is piped");
+        // Declared after the pipe, so dropped (the group killed) before the
+        // pipe closes, even when this future is dropped half-way: the
+        // watchdog never takes our own ending for a dead worker.
+        let group = GroupKill::of(&watcher)?;
+
         let mut command = Command::new("sh");
         command.env_clear();
         for name in ALLOWED_ENV
@@ -95,12 +151,26 @@ impl ExecHandler {
             .env("ALMANAC_ATTEMPT", job.attempts.to_string())
             .env("ALMANAC_MAX_ATTEMPTS", job.max_attempts.to_string())
             .env("ALMANAC_IDEMPOTENCY_KEY", job.effective_idempotency_key())
-            .process_group(0)
+            .process_group(group.0)
             .kill_on_drop(true);
+        let lease = [
+            (
+                "ALMANAC_LEASE_TOKEN",
+                job.lease_token.map(|t| t.to_string()),
+            ),
+            (
+                "ALMANAC_LEASE_DEADLINE",
+                job.lease_until
+                    .map(|at| at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+            ),
+        ];
         for (name, value) in [
-            ("ALMANAC_LOGICAL_RUN", &job.logical_run),
-            ("ALMANAC_SCHEDULE", &job.schedule),
-        ] {
+            ("ALMANAC_LOGICAL_RUN", job.logical_run.clone()),
+            ("ALMANAC_SCHEDULE", job.schedule.clone()),
+        ]
+        .into_iter()
+        .chain(lease)
+        {
             if let Some(value) = value {
                 command.env(name, value);
             }
@@ -108,7 +178,6 @@ impl ExecHandler {
         let mut child = command
             .spawn()
             .map_err(|e| HandlerError::retry(ExecError::Spawn(e.to_string())))?;
-        let group = GroupKill(child.id());
 
         let mut stdin = child.stdin.take().expect("stdin is piped");
         let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
@@ -137,6 +206,22 @@ impl ExecHandler {
                 }
             }
         });
+        // Each renewal's deadline goes to the watchdog. The pipe stays open
+        // after the last one: its closing tells the watchdog to kill.
+        let forward = async {
+            while deadlines.changed().await.is_ok() {
+                let at = watchdog::on_clock(*deadlines.borrow_and_update());
+                if renewals
+                    .write_all(format!("{at}\n").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            std::future::pending::<Infallible>().await
+        };
+        tokio::pin!(forward);
 
         let timeout = async {
             match self.timeout {
@@ -148,13 +233,20 @@ impl ExecHandler {
             status = child.wait() => status.map_err(|e| ExecError::Spawn(e.to_string())),
             _ = ctx.cancelled() => Err(ExecError::Cancelled),
             _ = timeout => Err(ExecError::TimedOut(self.timeout.unwrap_or_default())),
+            status = watcher.wait() => Err(ExecError::Watchdog(match status {
+                Ok(status) => format!("it ended ({status}) before the command"),
+                Err(e) => e.to_string(),
+            })),
+            never = &mut forward => match never {},
         };
-        // The shell is gone or is to go: so is everything in its group.
+        // The shell is gone or is to go: so is everything in its group, the
+        // watchdog included.
         drop(group);
         feed.abort();
         if ended.is_err() {
             let _ = child.wait().await;
         }
+        reap(watcher).await;
         if tokio::time::timeout(STDERR_GRACE, &mut reader)
             .await
             .is_err()
@@ -171,6 +263,35 @@ impl ExecHandler {
             Err(reason) => Err(HandlerError::retry(reason)),
         }
     }
+}
+
+/// Starts the watchdog of `ctx`'s command, armed with its first deadline, as
+/// the leader of a new process group.
+fn start_watchdog(
+    program: &Path,
+    first: tokio::time::Instant,
+    ctx: &JobContext,
+) -> std::io::Result<Child> {
+    Command::new(program)
+        .arg0("almanac")
+        .arg(watchdog::SUBCOMMAND)
+        .arg(watchdog::on_clock(first).to_string())
+        .arg(watchdog::grace(ctx.lease_margin()).as_millis().to_string())
+        .arg(ctx.job.id.to_string())
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+}
+
+/// Waits for the killed watchdog, briefly: until it is reaped its pid, the
+/// group's id, cannot be reused, which is why this comes after the group
+/// kill. (One that does not go at once is reaped by tokio in the background.)
+async fn reap(mut watchdog: Child) {
+    let _ = tokio::time::timeout(STDERR_GRACE, watchdog.wait()).await;
 }
 
 fn classify(status: ExitStatus, stderr: String) -> Result<(), HandlerError> {
@@ -197,17 +318,29 @@ impl Handler for ExecHandler {
 
 /// Kills the command's whole process group when dropped: `sh -c` may have
 /// children that a kill of `sh` alone would leave running, and a command that
-/// ends leaves nothing behind.
-struct GroupKill(Option<u32>);
+/// ends leaves nothing behind. The group is the watchdog's (its leader).
+struct GroupKill(i32);
+
+impl GroupKill {
+    /// The group `watchdog` leads.
+    fn of(watchdog: &Child) -> Result<GroupKill, HandlerError> {
+        watchdog
+            .id()
+            .and_then(|pid| i32::try_from(pid).ok())
+            .filter(|pid| *pid > 0)
+            .map(GroupKill)
+            .ok_or_else(|| {
+                HandlerError::retry(ExecError::Watchdog("it ended as soon as it started".into()))
+            })
+    }
+}
 
 impl Drop for GroupKill {
     fn drop(&mut self) {
-        if let Some(pid) = self.0.and_then(|pid| i32::try_from(pid).ok()) {
-            // SAFETY: kill(2) with a negative pid signals the process group we
-            // created with process_group(0); it touches no memory.
-            unsafe {
-                libc::kill(-pid, libc::SIGKILL);
-            }
+        // SAFETY: kill(2) with a negative pid signals the process group we
+        // created with process_group(0) for the watchdog; it touches no memory.
+        unsafe {
+            libc::kill(-self.0, libc::SIGKILL);
         }
     }
 }
@@ -215,10 +348,20 @@ impl Drop for GroupKill {
 #[derive(Debug)]
 pub enum ExecError {
     Spawn(String),
-    Exit { code: i32, stderr: String },
-    Signal { signal: i32, stderr: String },
+    Exit {
+        code: i32,
+        stderr: String,
+    },
+    Signal {
+        signal: i32,
+        stderr: String,
+    },
     TimedOut(Duration),
     Cancelled,
+    /// No almanac binary to run the watchdog with.
+    NoWatchdog,
+    /// The watchdog could not start, or ended before the command.
+    Watchdog(String),
 }
 
 impl fmt::Display for ExecError {
@@ -243,6 +386,14 @@ impl fmt::Display for ExecError {
             ExecError::TimedOut(t) => {
                 write!(f, "command ran past its timeout of {t:?} and was killed")
             }
+            ExecError::NoWatchdog => write!(
+                f,
+                "found no almanac binary to run the command's watchdog with; put almanac on PATH or name it with ExecHandler::watchdog"
+            ),
+            ExecError::Watchdog(e) => write!(
+                f,
+                "the command's watchdog failed, so the command was killed: {e}"
+            ),
             ExecError::Cancelled => {
                 write!(
                     f,

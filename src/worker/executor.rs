@@ -26,6 +26,12 @@
 //!   - with renewals every third of the lease, two renewals in a row (at a
 //!     third and at two thirds) can fail before a handler is cancelled, so a
 //!     single lost heartbeat never stops a healthy job.
+//! - **Handlers see the deadline.** Each renewal moves the job's local
+//!   deadline, and the handler is told through
+//!   [`super::JobContext::deadlines`]: the exec handler forwards it to the
+//!   watchdog process beside its command ([`super::watchdog`]), which kills
+//!   the command's process group at that deadline even when this process is
+//!   stopped and can cancel nothing.
 //! - **Outcomes survive blips.** Successes are completed in batches (one
 //!   statement for many jobs), shutdown releases likewise, failures one by
 //!   one. A write that fails or gets no answer within `lease / 3` is retried,
@@ -54,7 +60,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{sleep_until, Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
@@ -132,6 +138,9 @@ struct Flight {
     cancel: CancellationToken,
     /// When the last successful renewal (or the claim) was sent.
     renewed: Instant,
+    /// The local lease deadline, `renewed + lease - margin`, as the handler
+    /// sees it ([`JobContext::deadlines`]).
+    deadline: watch::Sender<Instant>,
     /// When the handler was handed the job.
     started: Instant,
     /// When the handler returned and its outcome went to the recorder.
@@ -286,6 +295,7 @@ impl Executor {
         let token = job.lease_token.expect("a claimed job holds a lease");
         let cancel = CancellationToken::new();
         let (reply, rx) = oneshot::channel();
+        let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
         let displaced = self.inner.flights().insert(
             job.id,
             Flight {
@@ -294,6 +304,7 @@ impl Executor {
                 attempt: job.attempts,
                 cancel: cancel.clone(),
                 renewed: sent,
+                deadline,
                 started: Instant::now(),
                 returned: None,
                 reply: Some(reply),
@@ -316,9 +327,10 @@ impl Executor {
             }
         }
         while state.tasks.try_join_next().is_some() {}
+        let ctx = JobContext::new(job, cancel.clone()).with_deadline(deadlines, self.inner.margin);
         state.tasks.spawn(execute(
             self.inner.clone(),
-            job,
+            ctx,
             token,
             cancel,
             handler,
@@ -425,9 +437,13 @@ impl Inner {
             .get(&id)
             .filter(|f| f.token == token)
             .map(|f| f.renewed);
-        renewed.map_or_else(Instant::now, |at| {
-            at + self.config.lease.saturating_sub(self.margin)
-        })
+        renewed.map_or_else(Instant::now, |at| self.local_deadline(at))
+    }
+
+    /// The local lease deadline of a lease renewed (or claimed) by a
+    /// statement sent at `sent`.
+    fn local_deadline(&self, sent: Instant) -> Instant {
+        sent + self.config.lease.saturating_sub(self.margin)
     }
 
     /// The one place an outcome is counted and logged.
@@ -509,19 +525,20 @@ impl Inner {
 /// Runs one handler under the local lease deadline and sends its outcome.
 async fn execute(
     inner: Arc<Inner>,
-    job: Job,
+    ctx: JobContext,
     token: Uuid,
     cancel: CancellationToken,
     handler: Arc<dyn Handler>,
     outcomes: mpsc::UnboundedSender<Outcome>,
 ) {
+    let job = &ctx.job;
     let (id, attempt) = (job.id, job.attempts);
     debug!(job_id = id, kind = %job.kind, attempt, "running");
     let waited = (chrono::Utc::now() - job.run_at)
         .to_std()
         .unwrap_or_default();
     inner.metrics.record_started(&job.kind, waited);
-    let work = invoke(handler.as_ref(), JobContext::new(job, cancel.clone()));
+    let work = invoke(handler.as_ref(), ctx);
     tokio::pin!(work);
     // Set once the handler is cancelled: when it is dropped if still running.
     let mut abandon_at: Option<Instant> = None;
@@ -612,8 +629,11 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             renewed = bounded(every, renew(&mut link, &leases, inner.config.lease)) => renewed,
         };
-        let held: HashSet<i64> = match renewed {
-            Ok(held) => held.into_iter().collect(),
+        let (held, busy): (HashSet<i64>, HashSet<i64>) = match renewed {
+            Ok(written) => (
+                written.ids.into_iter().collect(),
+                written.busy.into_iter().collect(),
+            ),
             Err(err) => {
                 link.discard();
                 warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
@@ -628,6 +648,16 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             };
             if held.contains(id) {
                 flight.renewed = flight.renewed.max(sent);
+                let deadline = inner.local_deadline(flight.renewed);
+                flight.deadline.send_if_modified(|d| {
+                    let later = deadline > *d;
+                    *d = (*d).max(deadline);
+                    later
+                });
+            } else if busy.contains(id) {
+                // Its row was held by another transaction: still ours, not
+                // renewed this time (the local deadline keeps counting).
+                debug!(job_id = id, "lease renewal skipped a busy row");
             } else if !flight.cancel.is_cancelled() {
                 warn!(job_id = id, "lease lost; cancelling the handler");
                 flight.cancel.cancel();
@@ -641,7 +671,7 @@ async fn renew(
     link: &mut crate::db::Held,
     leases: &[(i64, Uuid)],
     lease: Duration,
-) -> Result<Vec<i64>, QueueError> {
+) -> Result<queue::Written, QueueError> {
     let conn = link.get().await?;
     queue::heartbeat_many(conn, leases, lease).await
 }

@@ -20,6 +20,7 @@
 pub mod exec;
 pub mod executor;
 mod runner;
+pub mod watchdog;
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -29,7 +30,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use uuid::Uuid;
 
 use crate::metrics::Metrics;
 use crate::queue::{Backoff, Failure, Job};
@@ -94,16 +98,64 @@ impl HandlerError {
     }
 }
 
-/// What a handler gets: the claimed job and a signal for when to stop.
+/// What a handler gets: the claimed job, a signal for when to stop, and
+/// the lease it runs under (token and local deadline) to fence its own
+/// writes with.
 #[derive(Debug, Clone)]
 pub struct JobContext {
     pub job: Job,
     cancel: CancellationToken,
+    deadlines: watch::Receiver<Instant>,
+    margin: Duration,
 }
 
+/// How far off a deadline that is not known is put: never, in practice.
+const NO_DEADLINE: Duration = Duration::from_secs(60 * 60 * 24 * 365 * 30);
+
 impl JobContext {
+    /// A context with no known lease deadline (see [`JobContext::with_deadline`]).
     pub fn new(job: Job, cancel: CancellationToken) -> Self {
-        JobContext { job, cancel }
+        let (_, deadlines) = watch::channel(Instant::now() + NO_DEADLINE);
+        JobContext {
+            job,
+            cancel,
+            deadlines,
+            margin: Duration::ZERO,
+        }
+    }
+
+    /// The local lease deadline, as the [`executor`] moves it with each
+    /// renewal, and the lease margin it was computed with.
+    pub fn with_deadline(mut self, deadlines: watch::Receiver<Instant>, margin: Duration) -> Self {
+        self.deadlines = deadlines;
+        self.margin = margin;
+        self
+    }
+
+    /// The lease token of this attempt: a write fenced on it (`WHERE
+    /// lease_token = $token` joined with the job row, in the same database)
+    /// cannot land after the lease was lost.
+    pub fn lease_token(&self) -> Option<Uuid> {
+        self.job.lease_token
+    }
+
+    /// The local lease deadline now: the handler is cancelled at this
+    /// instant unless a renewal moves it (see [`executor`]), a lease margin
+    /// before the lease can expire on the database's clock.
+    pub fn deadline(&self) -> Instant {
+        *self.deadlines.borrow()
+    }
+
+    /// Every move of [`JobContext::deadline`]: `changed()` resolves when a
+    /// renewal extends it, and fails once the job's flight is over.
+    pub fn deadlines(&self) -> watch::Receiver<Instant> {
+        self.deadlines.clone()
+    }
+
+    /// How long before the lease can expire its local deadline falls
+    /// ([`lease_margin`]); zero when no deadline is known.
+    pub fn lease_margin(&self) -> Duration {
+        self.margin
     }
 
     /// Resolves when the lease is lost, could not be renewed in time (see

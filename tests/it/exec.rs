@@ -103,6 +103,14 @@ async fn commands_get_the_payload_and_environment_and_exit_codes_decide_the_outc
         serde_json::from_str(&std::fs::read_to_string(dir.join("stdin.json")).unwrap()).unwrap();
     assert_eq!(stdin, json!({"order": 42, "note": "ünïcode"}));
     let env = std::fs::read_to_string(dir.join("env")).unwrap();
+    let var = |name: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
+            .unwrap_or_else(|| panic!("missing {name} in:\n{env}"))
+            .to_string()
+    };
+    uuid::Uuid::parse_str(&var("ALMANAC_LEASE_TOKEN")).unwrap();
+    chrono::DateTime::parse_from_rfc3339(&var("ALMANAC_LEASE_DEADLINE")).unwrap();
     for line in [
         format!("ALMANAC_JOB_ID={ok}"),
         "ALMANAC_KIND=ok".into(),
@@ -212,7 +220,7 @@ fn read_pid(path: &std::path::Path) -> i32 {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_command_ends_when_its_shell_ends_background_children_included(pool: PgPool) {
     let dir = scratch("background");
-    let (left, timed) = (dir.join("left"), dir.join("timed"));
+    let (left, timed, group) = (dir.join("left"), dir.join("timed"), dir.join("group"));
     let mut conn = pool.acquire().await.unwrap();
     let quick = queue::enqueue(&mut conn, &NewJob::new("leaves_child"))
         .await
@@ -227,7 +235,12 @@ async fn a_command_ends_when_its_shell_ends_background_children_included(pool: P
     let worker = Worker::new(pool.clone(), config().validated().unwrap())
         .register(
             "leaves_child",
-            ExecHandler::new(format!("sleep 600 & echo $! > {}; exit 0", left.display())),
+            // Field 5 of /proc/PID/stat: the process group, led by the watchdog.
+            ExecHandler::new(format!(
+                "cut -d' ' -f5 /proc/$$/stat > {}; sleep 600 & echo $! > {}; exit 0",
+                group.display(),
+                left.display()
+            )),
         )
         .register(
             "times_out",
@@ -247,10 +260,12 @@ async fn a_command_ends_when_its_shell_ends_background_children_included(pool: P
         status_is(&pool, slow, JobStatus::Dead)
     })
     .await;
-    for pidfile in [&left, &timed] {
+    let watchdog = read_pid(&group);
+    assert_ne!(watchdog, read_pid(&left), "the group is the watchdog's");
+    for pidfile in [&left, &timed, &group] {
         let pid = read_pid(pidfile);
         eventually(
-            "the background child to be killed",
+            "the background child and the watchdog to be killed",
             Duration::from_secs(5),
             || async move { gone(pid) },
         )

@@ -78,10 +78,14 @@ async fn a_stale_lease_token_changes_nothing_and_reports_the_loss(pool: PgPool) 
         Fenced::Lost
     );
     assert_eq!(
-        queue::heartbeat_many(&pool, &[(id, token1)], Duration::from_secs(30))
-            .await
-            .unwrap(),
-        Vec::<i64>::new()
+        queue::heartbeat_many(
+            &mut pool.acquire().await.unwrap(),
+            &[(id, token1)],
+            Duration::from_secs(30)
+        )
+        .await
+        .unwrap(),
+        queue::Written::default()
     );
 
     // The reaper hands it back; a second claim gets a new token; the first

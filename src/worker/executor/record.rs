@@ -15,6 +15,10 @@ use uuid::Uuid;
 use super::{bounded, Executed, Inner, Unanswered};
 use crate::db;
 use crate::queue::{self, Failure, Fenced, JobStatus, QueueError};
+
+/// How long the recorder waits for a job's row that another transaction
+/// holds before writing the rest of its batch without it.
+const BUSY_ROW_WAIT: Duration = Duration::from_millis(250);
 use crate::retry::Retry;
 
 pub(super) enum Write {
@@ -37,10 +41,13 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
     const MAX_BATCH: usize = 512;
     let mut pending = Vec::with_capacity(MAX_BATCH);
     let mut open = true;
+    // A row another transaction holds is skipped after a short wait (see
+    // `queue::complete_many`) rather than holding up the whole batch.
     let mut link = db::Held::of(
         &inner.pool,
         (inner.config.lease / 3).max(Duration::from_millis(50)),
-    );
+    )
+    .lock_wait(BUSY_ROW_WAIT);
     let mut retry = Retry::new(
         Duration::from_millis(50),
         (inner.config.lease / 3).max(Duration::from_millis(50)),
@@ -116,11 +123,16 @@ impl Inner {
         if !completes.is_empty() {
             let leases: Vec<(i64, Uuid)> = completes.iter().map(|o| (o.id, o.token)).collect();
             match bounded(within, on(link, |c| queue::complete_many(c, &leases))).await {
-                Ok(held) => {
-                    let held: HashSet<i64> = held.into_iter().collect();
+                Ok(written) => {
+                    let held: HashSet<i64> = written.ids.into_iter().collect();
+                    let busy: HashSet<i64> = written.busy.into_iter().collect();
                     for o in completes {
                         if held.contains(&o.id) {
                             self.settle(o.id, o.token, Executed::Completed, None);
+                        } else if busy.contains(&o.id) {
+                            // Its row was held by another transaction: the
+                            // next round tries again, as after a blip.
+                            pending.push(o);
                         } else {
                             unsure.push(o);
                         }

@@ -39,7 +39,12 @@ impl Proc {
         for (k, v) in env {
             command.env(k, v);
         }
-        let mut child = command.spawn().unwrap();
+        Proc::spawn(command)
+    }
+
+    /// Any `almanac` command (see [`super::almanac`]), its stderr captured.
+    pub fn spawn(mut command: std::process::Command) -> Proc {
+        let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
         let log = Arc::new(Mutex::new(Vec::new()));
         let lines = log.clone();
         let stderr = child.stderr.take().unwrap();
