@@ -79,9 +79,6 @@ CREATE FUNCTION almanac.claim_outbox_bytes(p_sink text, p_lock_class integer, p_
     AS $$
 DECLARE
     v_now timestamptz;
-    v_ids bigint[] := '{}';
-    v_total bigint := 0;
-    v_next bigint;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'almanac.claim_outbox_bytes needs READ COMMITTED, not %',
@@ -95,9 +92,10 @@ BEGIN
     WHERE b.token IN (SELECT e.token FROM almanac.outbox_batches AS e
                       WHERE e.sink = p_sink AND e.published_at IS NULL AND e.lease_until <= v_now
                       FOR UPDATE SKIP LOCKED);
-    -- The candidates' ids only: a payload is read when its row's turn comes.
-    FOR v_next IN
-        SELECT o.id
+    RETURN QUERY
+    WITH candidates AS MATERIALIZED (
+        SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload, o.headers, o.attempts,
+            o.available_at, coalesce(o.bytes, octet_length(o.payload::text)) AS size
         FROM almanac.outbox AS o
         WHERE o.sink = p_sink AND o.published_at IS NULL AND o.failed_at IS NULL
           AND o.available_at <= v_now
@@ -109,31 +107,28 @@ BEGIN
                              AND b.lease_until > v_now)
         ORDER BY o.available_at, o.id
         LIMIT p_limit
-    LOOP
-        SELECT o.id, o.job_id, o.destination, o.msg_key, o.payload::text, o.headers::text,
-            o.attempts + 1, o.available_at
-        INTO id, job_id, destination, msg_key, payload, headers, attempts, available_at
-        FROM almanac.outbox AS o
-        WHERE o.id = v_next;
-        CONTINUE WHEN NOT FOUND;
-        bytes := octet_length(payload);
-        IF bytes > p_max_bytes THEN
-            -- Sent back without its payload, to be marked failed.
-            payload := NULL;
-        ELSIF v_total > 0 AND v_total + bytes > p_budget_bytes THEN
-            EXIT;
-        ELSE
-            v_total := v_total + bytes;
-        END IF;
-        v_ids := v_ids || id;
-        RETURN NEXT;
-    END LOOP;
-    IF cardinality(v_ids) > 0 THEN
+    ), picked AS MATERIALIZED (
+        -- The running total of the sizes sent (an oversized row sends none)
+        -- only grows, so the rows kept are a prefix of the candidates.
+        SELECT * FROM (
+            SELECT c.*, c.size > p_max_bytes AS oversized,
+                sum(CASE WHEN c.size > p_max_bytes THEN 0 ELSE c.size END)
+                    OVER (ORDER BY c.available_at, c.id) AS total
+            FROM candidates AS c) AS t
+        WHERE t.total <= p_budget_bytes
+           -- The first row with a payload, however large.
+           OR (NOT t.oversized AND t.total = t.size)
+    ), batch AS (
         INSERT INTO almanac.outbox_batches (token, sink, ids, claimed_at, lease_until)
-        SELECT p_token, p_sink, array_agg(x ORDER BY x), v_now,
+        SELECT p_token, p_sink, array_agg(p.id ORDER BY p.id), v_now,
             v_now + p_lease_ms * interval '1 millisecond'
-        FROM unnest(v_ids) AS x;
-    END IF;
+        FROM picked AS p HAVING count(*) > 0
+    )
+    SELECT p.id, p.job_id, p.destination, p.msg_key,
+        CASE WHEN p.oversized THEN NULL ELSE p.payload::text END,
+        p.headers::text, p.attempts + 1, p.available_at, p.size
+    FROM picked AS p
+    ORDER BY p.available_at, p.id;
 END
 $$;
 
@@ -228,7 +223,7 @@ BEGIN
     IF r.sink IS NULL THEN
         RAISE EXCEPTION 'job % of kind % is routed to %, but the kind has no sink; run `almanac route set`', j.id, j.kind, j.route;
     END IF;
-    INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at)
+    INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at, bytes)
     VALUES (
         j.id, r.sink, r.destination,
         coalesce(j.idempotency_key, 'almanac:job:' || j.id),
@@ -238,7 +233,8 @@ BEGIN
             'almanac-kind', j.kind,
             'almanac-attempt', (j.attempts + 1)::text,
             'almanac-logical-run', coalesce(j.logical_run, '')),
-        j.run_at);
+        j.run_at,
+        octet_length(j.payload::text));
     PERFORM pg_notify('almanac_outbox', r.sink);
 END $$;
 
@@ -288,6 +284,7 @@ CREATE TABLE almanac.outbox (
     attempts integer DEFAULT 0 NOT NULL,
     last_error text,
     failed_at timestamp with time zone,
+    bytes bigint,
     CONSTRAINT outbox_check CHECK (((published_at IS NULL) OR (failed_at IS NULL))),
     CONSTRAINT outbox_sink_check CHECK ((sink = ANY (ARRAY['kafka'::text, 'rabbitmq'::text])))
 );
