@@ -175,6 +175,19 @@ BEGIN
 END $$;
 
 
+--
+-- Name: route_of(text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.route_of(p_kind text) RETURNS text
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kind));
+    RETURN coalesce((SELECT mode FROM almanac.routes WHERE kind = p_kind), 'db');
+END $$;
+
+
 SET default_tablespace = '';
 
 SET default_table_access_method = heap;
@@ -634,13 +647,6 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 --
 
 CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
-
-
---
--- Name: jobs jobs_retake_route; Type: TRIGGER; Schema: almanac; Owner: -
---
-
-CREATE TRIGGER jobs_retake_route BEFORE UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((new.status = 'ready'::text) AND (old.status <> 'ready'::text))) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

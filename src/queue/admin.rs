@@ -96,7 +96,8 @@ async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
         id,
         JobStatus::Dead,
         "retry",
-        "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
+        "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
+             route = almanac.route_of(kind) \
          WHERE id = $1 AND status = 'dead' RETURNING *",
     )
     .await?;

@@ -270,7 +270,8 @@ pub async fn retry_dead_matching(
         .execute(&mut *tx)
         .await?;
         let mut kinds: Vec<String> = sqlx::query_scalar(
-            "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL \
+            "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
+                 route = almanac.route_of(j.kind) \
              WHERE id = ANY($1) AND status = 'dead' \
                AND NOT EXISTS (SELECT 1 FROM almanac.schedule_runs r \
                                 WHERE r.schedule = j.schedule AND r.logical_run = j.logical_run \

@@ -292,7 +292,7 @@ async fn skipping_locked(
         ), locked AS MATERIALIZED (
             SELECT j.id FROM almanac.jobs j JOIN c ON j.id = c.id AND j.lease_token = c.token
             WHERE j.lease_until > clock_timestamp()
-            FOR UPDATE OF j SKIP LOCKED
+            FOR NO KEY UPDATE OF j SKIP LOCKED
         ), written AS (
             UPDATE almanac.jobs AS j {set}
             WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
@@ -355,6 +355,7 @@ pub async fn fail<'e>(
             run_at = CASE WHEN $3 OR attempts >= max_attempts THEN run_at
                           ELSE clock_timestamp() + $4 * interval '1 millisecond' END,
             finished_at = CASE WHEN $3 OR attempts >= max_attempts THEN clock_timestamp() END,
+            route = CASE WHEN $3 OR attempts >= max_attempts THEN route ELSE almanac.route_of(kind) END,
             last_error = $5,
             lease_token = NULL,
             lease_until = NULL
@@ -413,6 +414,7 @@ pub async fn release<'e>(
         SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
             run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
             finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
+            route = CASE WHEN j.attempts >= j.max_attempts THEN j.route ELSE almanac.route_of(j.kind) END,
             last_error = CASE WHEN j.attempts >= j.max_attempts
                 THEN format('%s; that was attempt %s of %s, so the job is dead',
                             $3::text, j.attempts, j.max_attempts)
@@ -445,7 +447,7 @@ pub async fn unclaim<'e>(
         r#"
         UPDATE almanac.jobs
         SET status = 'ready', attempts = greatest(attempts - 1, 0), run_at = clock_timestamp(),
-            lease_token = NULL, lease_until = NULL
+            route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL
         WHERE id = $1 AND status = 'running' AND lease_token = $2
         "#,
     )
@@ -498,6 +500,7 @@ pub async fn reap_expired<'e>(
         SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
             run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
             finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
+            route = CASE WHEN j.attempts >= j.max_attempts THEN j.route ELSE almanac.route_of(j.kind) END,
             last_error = format('lease expired during attempt %s of %s (worker died or stalled)',
                                 j.attempts, j.max_attempts),
             lease_token = NULL,

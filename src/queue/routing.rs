@@ -39,38 +39,71 @@ pub async fn busy_kinds(tx: &mut PgConnection, kinds: &[&str]) -> Result<Vec<Str
 /// Where a walk of a kind's ready jobs stands: after this `(run_at, id)`.
 pub type WalkCursor = (DateTime<Utc>, i64);
 
-/// One window of a walk over `kind`'s ready jobs: the next `limit` of them
-/// after `after`, in `(run_at, id)` order (an ordered range of
-/// `jobs_ready_kind_idx`, so a window costs its own rows, not the backlog
-/// before it). Those whose route is not the kind's route now are moved to
-/// it (the outbox trigger writes rows for jobs leaving `db`); rows locked by
-/// someone else (a worker claiming them) are skipped, not waited for: a
-/// claimed job takes the route when it is ready again (migration 0104).
+/// Which of a kind's ready jobs a [`move_window`] looks at.
+#[derive(Debug, Clone, Copy)]
+pub enum Window<'a> {
+    /// The next `limit` after the cursor (`None`: from the start), in
+    /// `(run_at, id)` order: an ordered range of `jobs_ready_kind_idx`, so a
+    /// window costs its own rows, not the backlog before it.
+    After(Option<WalkCursor>, i64),
+    /// These jobs (those a window skipped), when still ready.
+    Ids(&'a [i64]),
+}
+
+/// What one [`move_window`] did.
+#[derive(Debug, Clone, Default)]
+pub struct Moved {
+    /// The ready jobs it looked at.
+    pub ids: Vec<i64>,
+    /// How many it moved to the kind's route.
+    pub moved: u64,
+    /// Jobs off the route it could not lock (another transaction held
+    /// them): look again once the walk is over.
+    pub skipped: Vec<i64>,
+    /// Where the next window of an [`Window::After`] walk starts; `None`
+    /// once it is over.
+    pub next: Option<WalkCursor>,
+}
+
+/// One window of a walk over `kind`'s ready jobs: those whose route is not
+/// the kind's route now are moved to it (the outbox trigger writes rows for
+/// jobs leaving `db`). Rows another transaction holds (a worker claiming
+/// them) are skipped, not waited for, and returned ([`Moved::skipped`]); the
+/// lock taken is `FOR NO KEY UPDATE`, so the key-share lock an outbox
+/// insert's foreign key takes on its job does not make a row look busy.
 /// Running jobs are never touched, so no worker's heartbeat or outcome
-/// waits behind a route change. Returns the window's ids, how many moved,
-/// and where the next window starts (`None`: the walk is over).
+/// waits behind a route change; a claimed job takes the route when it is
+/// ready again (`almanac.route_of`, migration 0107).
 pub async fn move_window(
     conn: &mut PgConnection,
     kind: &str,
-    after: Option<WalkCursor>,
-    limit: i64,
-) -> Result<(Vec<i64>, u64, Option<WalkCursor>), sqlx::Error> {
-    type Window = (Vec<i64>, i64, Option<DateTime<Utc>>, Option<i64>);
-    let (ids, moved, run_at, id): Window = sqlx::query_as(
+    window: Window<'_>,
+) -> Result<Moved, sqlx::Error> {
+    let (after, limit, ids) = match window {
+        Window::After(after, limit) => (after, limit, None),
+        Window::Ids(ids) => (None, ids.len() as i64, Some(ids)),
+    };
+    type Row = (Vec<i64>, i64, Vec<i64>, Option<DateTime<Utc>>, Option<i64>);
+    let (ids, moved, skipped, run_at, id): Row = sqlx::query_as(
         r#"
         WITH w AS MATERIALIZED (
             SELECT id, run_at FROM almanac.jobs
             WHERE status = 'ready' AND kind = $1
               AND (kind, run_at, id) > ($1, coalesce($2, '-infinity'::timestamptz), coalesce($3, 0))
+              AND ($5::bigint[] IS NULL OR id = ANY($5))
             ORDER BY kind, run_at, id
             LIMIT $4
         ), mode AS MATERIALIZED (
             SELECT coalesce((SELECT mode FROM almanac.routes WHERE kind = $1), 'db') AS m
-        ), locked AS MATERIALIZED (
+        ), off AS MATERIALIZED (
             SELECT j.id FROM almanac.jobs j
             WHERE j.id = ANY (ARRAY(SELECT id FROM w)) AND j.status = 'ready'
               AND j.route <> (SELECT m FROM mode)
-            FOR UPDATE SKIP LOCKED
+        ), locked AS MATERIALIZED (
+            SELECT j.id FROM almanac.jobs j
+            WHERE j.id = ANY (ARRAY(SELECT id FROM off)) AND j.status = 'ready'
+              AND j.route <> (SELECT m FROM mode)
+            FOR NO KEY UPDATE SKIP LOCKED
         ), moved AS (
             UPDATE almanac.jobs j SET route = (SELECT m FROM mode)
             WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
@@ -79,6 +112,7 @@ pub async fn move_window(
             SELECT run_at, id FROM w ORDER BY run_at DESC, id DESC LIMIT 1
         )
         SELECT ARRAY(SELECT id FROM w), (SELECT count(*) FROM moved),
+            ARRAY(SELECT id FROM off EXCEPT SELECT id FROM locked),
             (SELECT run_at FROM last WHERE (SELECT count(*) FROM w) = $4),
             (SELECT id FROM last WHERE (SELECT count(*) FROM w) = $4)
         "#,
@@ -87,9 +121,17 @@ pub async fn move_window(
     .bind(after.map(|c| c.0))
     .bind(after.map(|c| c.1))
     .bind(limit)
+    .bind(ids)
     .fetch_one(conn)
     .await?;
-    Ok((ids, moved as u64, run_at.zip(id)))
+    Ok(Moved {
+        ids,
+        moved: moved as u64,
+        skipped,
+        next: run_at
+            .zip(id)
+            .filter(|_| matches!(window, Window::After(..))),
+    })
 }
 
 /// Kinds with a route that have ready jobs on another route: a walk of

@@ -7,7 +7,7 @@
 //!
 //! **A short change, then a walk.** `set` takes the kind's advisory lock
 //! exclusively (enqueue takes it shared, in the insert trigger, and so does
-//! a job coming back to `ready`, migration 0104), writes the route and
+//! a job coming back to `ready`, through `almanac.route_of`, migration 0107), writes the route and
 //! commits: new jobs and jobs ready again take the new route from then on.
 //! It then walks the kind's ready jobs in windows of [`WINDOW`], each in a
 //! transaction of its own under the lock taken shared: the window's jobs
@@ -46,8 +46,8 @@ use sqlx::{Connection, PgConnection};
 
 use super::outbox;
 use crate::broker::SinkKind;
-use crate::queue::routing;
 use crate::queue::routing::route_lock_key as lock_key;
+use crate::queue::routing::{self, Window};
 use crate::retry::Retry;
 
 /// How long `set` waits for the kind's lock by default.
@@ -149,6 +149,10 @@ pub enum RouteError {
         moved: u64,
         source: sqlx::Error,
     },
+    #[error(
+        "the route of kind `{kind}` is changed and its ready jobs moved, but {held} of them were held by other transactions for seconds and are still on the old route. Run the same `almanac route set` again, or let a running relay's reconcile sweep move them"
+    )]
+    Held { kind: String, held: u64 },
 }
 
 pub async fn list(conn: &mut PgConnection) -> Result<Vec<Route>, RouteError> {
@@ -236,6 +240,12 @@ pub async fn set_within(
             moved: moved.jobs_moved,
             source,
         })?;
+    if walked.jobs_held > 0 {
+        return Err(RouteError::Held {
+            kind: kind.to_string(),
+            held: walked.jobs_held,
+        });
+    }
     Ok(RouteChange {
         route,
         jobs_moved: walked.jobs_moved,
@@ -293,8 +303,10 @@ enum Persist {
     GiveUp,
 }
 
-/// Walks `kind`'s ready jobs window by window (see the module doc). On an
-/// error, returns what was done before it.
+/// Walks `kind`'s ready jobs window by window (see the module doc), then
+/// looks again at the jobs windows skipped because another transaction
+/// held them, a few times over about two seconds. On an error, returns what
+/// was done before it.
 async fn walk(
     conn: &mut PgConnection,
     kind: &str,
@@ -302,11 +314,18 @@ async fn walk(
 ) -> Result<Reconciled, (Reconciled, sqlx::Error)> {
     let mut done = Reconciled::default();
     let mut cursor = None;
+    let mut skipped = Vec::new();
+    let mut again = 0;
     let mut retry = Retry::new(Duration::from_millis(50), Duration::from_secs(1));
     let mut said = tokio::time::Instant::now();
     loop {
-        match window(conn, kind, cursor).await {
-            Ok((step, next)) => {
+        let of = if again == 0 {
+            Window::After(cursor, WINDOW)
+        } else {
+            Window::Ids(&skipped)
+        };
+        match window(conn, kind, of).await {
+            Ok((step, moved)) => {
                 retry.succeeded();
                 done.jobs_moved += step.jobs_moved;
                 done.rows_readdressed += step.rows_readdressed;
@@ -319,10 +338,21 @@ async fn walk(
                         "moving the kind's ready jobs to its route"
                     );
                 }
-                match next {
-                    Some(next) => cursor = Some(next),
-                    None => return Ok(done),
+                if again == 0 {
+                    skipped.extend(moved.skipped);
+                    cursor = moved.next;
+                    if cursor.is_some() {
+                        continue;
+                    }
+                } else {
+                    skipped = moved.skipped;
                 }
+                if skipped.is_empty() || again == 4 {
+                    done.jobs_held = skipped.len() as u64;
+                    return Ok(done);
+                }
+                again += 1;
+                tokio::time::sleep(Duration::from_millis(100) * 2u32.pow(again)).await;
             }
             // A deadlock victim (outbox rows a relay's mark holds) or a lock
             // busy past a second: the window rolled back whole.
@@ -346,8 +376,8 @@ async fn walk(
 async fn window(
     conn: &mut PgConnection,
     kind: &str,
-    after: Option<routing::WalkCursor>,
-) -> Result<(Reconciled, Option<routing::WalkCursor>), sqlx::Error> {
+    of: Window<'_>,
+) -> Result<(Reconciled, routing::Moved), sqlx::Error> {
     let mut tx = conn
         .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
         .await?;
@@ -358,9 +388,9 @@ async fn window(
         .bind(lock_key(kind))
         .execute(&mut *tx)
         .await?;
-    let (ids, jobs_moved, next) = routing::move_window(&mut tx, kind, after, WINDOW).await?;
-    let (rows_readdressed, rows_dropped) = outbox::readdress(&mut tx, &ids).await?;
-    if jobs_moved > 0 {
+    let moved = routing::move_window(&mut tx, kind, of).await?;
+    let (rows_readdressed, rows_dropped) = outbox::readdress(&mut tx, &moved.ids).await?;
+    if moved.moved > 0 {
         // Workers wake and claim when jobs come back to the database.
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(crate::queue::NOTIFY_CHANNEL)
@@ -371,11 +401,12 @@ async fn window(
     tx.commit().await?;
     Ok((
         Reconciled {
-            jobs_moved,
+            jobs_moved: moved.moved,
             rows_readdressed,
             rows_dropped,
+            jobs_held: 0,
         },
-        next,
+        moved,
     ))
 }
 
@@ -409,6 +440,9 @@ pub struct Reconciled {
     pub jobs_moved: u64,
     pub rows_readdressed: u64,
     pub rows_dropped: u64,
+    /// Ready jobs off the route that other transactions held throughout
+    /// (the next sweep, or the same `route set` again, moves them).
+    pub jobs_held: u64,
 }
 
 /// Moves ready jobs whose route disagrees with `almanac.routes` onto it and
@@ -435,6 +469,7 @@ pub async fn reconcile(conn: &mut PgConnection) -> Result<Reconciled, sqlx::Erro
         done.jobs_moved += walked.jobs_moved;
         done.rows_readdressed += walked.rows_readdressed;
         done.rows_dropped += walked.rows_dropped;
+        done.jobs_held += walked.jobs_held;
     }
     Ok(done)
 }

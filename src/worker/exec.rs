@@ -19,9 +19,11 @@
 //! A command that writes to the job's database fences a write by locking
 //! its own lease in the same transaction: `SELECT 1 FROM almanac.jobs WHERE
 //! id = $ALMANAC_JOB_ID AND lease_token = $ALMANAC_LEASE_TOKEN AND status =
-//! 'running' AND lease_until > clock_timestamp() FOR SHARE` returns no row
-//! once the lease is lost, and while it is held the reaper cannot take the
-//! job back before the transaction ends.
+//! 'running' AND lease_until > clock_timestamp() FOR KEY SHARE` returns no
+//! row once the lease is lost, and while it is held the reaper (which locks
+//! `FOR UPDATE`) cannot take the job back before the transaction ends. Key
+//! share, not share: the worker's lease renewals and completion lock the
+//! row `FOR NO KEY UPDATE`, which a share lock would block.
 //!
 //! The service's connection strings (`DATABASE_URL`, `ALMANAC_AMQP_URL`, ...)
 //! never reach a command unless named with `--pass-env`. Its stdout passes

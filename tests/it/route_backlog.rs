@@ -322,3 +322,118 @@ async fn one_locked_row_holds_up_no_other_renewal_or_completion(pool: PgPool) {
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM exec_log").await, 4);
 }
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_job_held_through_a_route_change_is_named_and_moved_by_the_next_one(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let job = NewJob::new("held")
+            .idempotency_key(format!("held:{i}"))
+            .run_at(later);
+        ids.push(queue::enqueue(&mut conn, &job).await.unwrap().id());
+    }
+    // A key-share lock (what an outbox row's foreign key takes on its job)
+    // does not keep a job from moving; a transaction holding the row for
+    // update does, and `route set` says so instead of calling it done.
+    let mut key_share = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = $1 FOR KEY SHARE")
+        .bind(ids[0])
+        .execute(&mut *key_share)
+        .await
+        .unwrap();
+    let mut for_update = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = $1 FOR UPDATE")
+        .bind(ids[1])
+        .execute(&mut *for_update)
+        .await
+        .unwrap();
+    let err = routes::set(
+        &mut conn,
+        "held",
+        RouteMode::Dual,
+        Some(SinkKind::Rabbitmq),
+        Some("held"),
+    )
+    .await
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("1 of them were held") && text.contains("almanac route set"),
+        "{text}"
+    );
+    let routes_of = |pool: PgPool, ids: Vec<i64>| async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT route FROM almanac.jobs WHERE id = ANY($1) ORDER BY id",
+        )
+        .bind(ids)
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        routes_of(pool.clone(), ids.clone()).await,
+        ["dual", "db", "dual"]
+    );
+    for_update.commit().await.unwrap();
+    key_share.commit().await.unwrap();
+    let change = routes::set(&mut conn, "held", RouteMode::Dual, None, None)
+        .await
+        .unwrap();
+    assert_eq!(change.jobs_moved, 1);
+    assert_eq!(
+        routes_of(pool.clone(), ids.clone()).await,
+        ["dual", "dual", "dual"]
+    );
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.outbox").await, 3);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_job_running_through_a_route_change_takes_the_new_route_when_retried(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("flaky"))
+        .await
+        .unwrap()
+        .id();
+    let kinds = vec!["flaky".to_string()];
+    let claimed = queue::claim(
+        &pool,
+        &queue::Claim {
+            kinds: &kinds,
+            limit: 1,
+            lease: Duration::from_secs(30),
+        },
+    )
+    .await
+    .unwrap();
+    let token = claimed[0].lease_token.unwrap();
+    let change = routes::set(
+        &mut conn,
+        "flaky",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some("flaky"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(change.jobs_moved, 0, "a running job is not touched");
+    let failure = queue::Failure::Retry {
+        delay: Duration::ZERO,
+        error: "try again".into(),
+    };
+    assert!(queue::fail(&pool, id, token, &failure)
+        .await
+        .unwrap()
+        .is_held());
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(
+        (job.status, job.route.as_str()),
+        (queue::JobStatus::Ready, "broker")
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox").await,
+        1,
+        "ready again on the broker route, with its message on the way"
+    );
+}
