@@ -162,6 +162,18 @@ enum Unanswered {
     TimedOut(Duration),
 }
 
+impl Unanswered {
+    /// The database refused the statement whole: a lock wait past the
+    /// connection's lock timeout, or a deadlock. Nothing was written.
+    fn refused(&self) -> bool {
+        matches!(
+            self,
+            Unanswered::Db(QueueError::Db(sqlx::Error::Database(e)))
+                if matches!(e.code().as_deref(), Some("55P03" | "40P01"))
+        )
+    }
+}
+
 async fn bounded<T>(
     within: Duration,
     op: impl Future<Output = Result<T, QueueError>>,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::{sleep, Instant};
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 use uuid::Uuid;
 
 use super::{bounded, Executed, Inner, Unanswered};
@@ -171,6 +171,7 @@ impl Inner {
                         }
                     }
                 }
+                Err(err) if err.refused() => self.refused("release", &err, releases, pending),
                 Err(err) => {
                     reachable = false;
                     link.discard();
@@ -197,6 +198,7 @@ impl Inner {
                     self.settle(o.id, o.token, executed, Some(failure.error()));
                 }
                 Ok(Fenced::Lost) => unsure.push(o),
+                Err(err) if err.refused() => self.refused("fail", &err, vec![o], pending),
                 Err(err) => {
                     reachable = false;
                     link.discard();
@@ -224,6 +226,21 @@ impl Inner {
             ambiguous: true,
             ..o
         }));
+    }
+
+    /// Outcomes whose statement the database refused whole (a lock wait
+    /// past the link's short lock timeout, e.g. the kind's route lock while
+    /// `route set` wants it, or a deadlock): nothing was written, the link
+    /// is fine, and the next round tries again.
+    fn refused(
+        &self,
+        what: &str,
+        err: &Unanswered,
+        outcomes: Vec<Outcome>,
+        pending: &mut Vec<Outcome>,
+    ) {
+        debug!(%err, jobs = outcomes.len(), "recording outcomes ({what}) waited too long for a lock; trying again");
+        pending.extend(outcomes);
     }
 
     /// Outcomes the fence refused. If an earlier try failed in transit it may
