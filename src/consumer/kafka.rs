@@ -11,7 +11,7 @@
 //! member that runs the kind takes the message meanwhile; with none, the
 //! message waits in the topic (and the error repeats) until one starts.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
@@ -20,6 +20,7 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::marks::KafkaWatermarks;
 use super::{Consumer, Handled, JOB_ID_HEADER};
 use crate::broker::kafka::{admin, ensure_topic};
 use crate::broker::{SinkError, SinkKind};
@@ -74,6 +75,7 @@ pub(super) async fn run(
     let watching = shutdown.child_token();
     let watcher = {
         let (client, topic, timeout) = (checks.clone(), topic.clone(), consumer.sinks.ack_timeout);
+        let watermarks = Arc::new(Mutex::new(KafkaWatermarks::default()));
         tokio::spawn(super::marks::watch(
             consumer.pool.clone(),
             SinkKind::Kafka,
@@ -81,12 +83,14 @@ pub(super) async fn run(
             watching.clone(),
             move || {
                 let (client, topic) = (client.clone(), topic.clone());
+                let watermarks = watermarks.clone();
                 async move {
-                    tokio::task::spawn_blocking(move || {
-                        super::marks::kafka_drained(&client, &topic, timeout)
+                    let readings = tokio::task::spawn_blocking(move || {
+                        super::marks::kafka_read(&client, &topic, timeout)
                     })
                     .await
-                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())??;
+                    Ok(watermarks.lock().expect("not poisoned").observe(&readings))
                 }
             },
         ))

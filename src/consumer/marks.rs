@@ -1,23 +1,50 @@
 //! Drain marks: when a destination was last seen drained, for the relay's
 //! re-drive gate ([`crate::queue::routing::redrive`]).
 //!
-//! Every [`CHECK_EVERY`] a running consumer asks its broker whether every
-//! message published to its destination before that moment has been taken:
+//! A mark says: every message published to this partition before
+//! `drained_at` has been taken. Every [`CHECK_EVERY`] a running consumer asks
+//! its broker, and writes a row for **every** partition of its destination,
+//! drained or not: a partition not found drained keeps its mark, or gets
+//! `'-infinity'` if it has none, so the gate's `min(drained_at)` covers a
+//! partition that never drained instead of ignoring it. A drain is either
+//! an instant of no lag or a **watermark** passed, so a consumer that is
+//! never idle (always a few messages behind) still records marks that
+//! trail by about one check plus its lag:
 //!
-//! - **Kafka:** for each partition of the topic, the group's committed
-//!   offset (none: the partition's first offset) has reached the end the
-//!   broker reports for it. A consumer commits a message's offset only once
-//!   its job was handled, so this says *handled*, for the whole group,
-//!   partitions of departed members included.
-//! - **RabbitMQ** (one queue, partition 0): a passive declare reports no
-//!   ready message: every message published before was *delivered* to a
-//!   consumer.
+//! - **Kafka:** the group's committed offset (none: the partition's first
+//!   offset) has reached the end the broker reported for the partition, at
+//!   `T`, in this check (`drained_at = T`, zero lag) or in an earlier one
+//!   whose end `E` the checker remembered: once the committed offset reaches
+//!   `E`, every message published before `T` was handled, so
+//!   `drained_at = T`, and the check's own end and instant become the next
+//!   watermark. A consumer commits a message's offset only once its job was
+//!   handled, so this says *handled*, for the whole group, partitions of
+//!   departed members included.
+//! - **RabbitMQ** (one queue, partition 0): a passive declare sent at `T`
+//!   reports no ready message (`drained_at = T`), or it reported `N` ready
+//!   and this consumer has since received at least `N + prefetch` first
+//!   deliveries (`redelivered` unset), counted from when the declare
+//!   answered. The rule leans on the queue's order: messages ready at `T`
+//!   are ahead of those published later, so the `N` first deliveries after
+//!   them include every one of them or one published later, behind them.
+//!   Deliveries the broker had sent before it counted but that reach this
+//!   consumer only after (at most its prefetch, unacked meanwhile) are made
+//!   up by the `+ prefetch`; redeliveries (a requeued message, which can
+//!   go back ahead of others) are not counted at all, nor are other
+//!   consumers' deliveries, so the count only errs late. It says
+//!   *delivered*, not handled (as the no-ready-message rule does), and holds
+//!   for the plain FIFO queues almanac declares, not for priority queues.
+//!   The watermark lasts one session (a reconnect starts a new count).
 //!
-//! A yes is written as `drained_at` = when the question was sent, in the
-//! database's time (`now()` less the time since), one statement a check,
-//! never one a message; the latest instant is kept. A consumer that cannot
-//! reach its broker or database writes nothing, so its destination's marks
-//! go stale and re-drive holds it back.
+//! A drain is written as that instant in the database's time (`now()` less
+//! the time since), one statement a check, never one a message; the latest
+//! instant is kept. A consumer that cannot reach its broker or database
+//! writes nothing, so its destination's marks go stale and re-drive holds
+//! it back.
+//!
+//! **Limit: marks are not keyed by consumer group.** On Kafka, a drain by
+//! any group that reads the topic counts: a second group's drains can open
+//! the gate while the group that runs the jobs is down.
 //!
 //! Why the broker is asked, and librdkafka's partition EOF
 //! (`enable.partition.eof`) is not used: EOF is emitted once per end offset,
@@ -27,6 +54,7 @@
 //! consumer that merely received nothing for a while may be on a dead
 //! connection; a passive declare that answers is the broker's own word.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,26 +74,29 @@ use crate::broker::{SinkError, SinkKind};
 /// How often a running consumer checks whether its destination is drained.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// Partitions found drained, each with the instant the broker was asked.
-type Drained = Vec<(i32, Instant)>;
+/// Every partition of a destination, each with the instant as of which a
+/// check found it drained (`None`: not drained as far as it can tell).
+pub type Seen = Vec<(i32, Option<Instant>)>;
 
-/// Records that `destination`'s partitions were drained as of the instants
-/// given (keeping any later mark).
+/// Records one check of `destination`: a partition drained as of an
+/// instant keeps the later of that and its mark; one not drained keeps its
+/// mark, or gets `'-infinity'` if it has none.
 pub async fn record(
     pool: &PgPool,
     sink: SinkKind,
     destination: &str,
-    drained: &[(i32, Instant)],
+    seen: &[(i32, Option<Instant>)],
 ) -> Result<(), sqlx::Error> {
-    let partitions: Vec<i32> = drained.iter().map(|(p, _)| *p).collect();
-    let ages: Vec<i64> = drained
+    let partitions: Vec<i32> = seen.iter().map(|(p, _)| *p).collect();
+    let ages: Vec<Option<i64>> = seen
         .iter()
-        .map(|(_, at)| i64::try_from(at.elapsed().as_micros()).unwrap_or(i64::MAX))
+        .map(|(_, at)| at.map(|at| i64::try_from(at.elapsed().as_micros()).unwrap_or(i64::MAX)))
         .collect();
     sqlx::query(
         r#"
         INSERT INTO almanac.consumer_marks AS m (sink, destination, partition, drained_at, updated_at)
-        SELECT $1, $2, t.p, now() - t.age * interval '1 microsecond', now()
+        SELECT $1, $2, t.p,
+            coalesce(now() - t.age * interval '1 microsecond', '-infinity'::timestamptz), now()
         FROM unnest($3::int[], $4::bigint[]) AS t(p, age)
         ON CONFLICT (sink, destination, partition) DO UPDATE
         SET drained_at = greatest(m.drained_at, excluded.drained_at), updated_at = excluded.updated_at
@@ -81,7 +112,7 @@ pub async fn record(
 }
 
 /// Checks every [`CHECK_EVERY`] (never two at once) and records what
-/// `check` finds drained, until `shutdown`. Failures are told once a spell.
+/// `check` finds, until `shutdown`. Failures are told once a spell.
 pub async fn watch<F, Fut>(
     pool: PgPool,
     sink: SinkKind,
@@ -90,7 +121,7 @@ pub async fn watch<F, Fut>(
     mut check: F,
 ) where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Drained, String>>,
+    Fut: Future<Output = Result<Seen, String>>,
 {
     let mut tick = tokio::time::interval(CHECK_EVERY);
     tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
@@ -101,11 +132,11 @@ pub async fn watch<F, Fut>(
             _ = tick.tick() => {}
         }
         let round = async {
-            let drained = check().await?;
-            if drained.is_empty() {
+            let seen = check().await?;
+            if seen.is_empty() {
                 return Ok(());
             }
-            record(&pool, sink, &destination, &drained)
+            record(&pool, sink, &destination, &seen)
                 .await
                 .map_err(|e| format!("cannot record the drain: {e}"))
         };
@@ -144,14 +175,26 @@ pub fn kafka_client(brokers: &str, group: &str) -> Result<Arc<BaseConsumer>, Sin
         })
 }
 
-/// The partitions of `topic` whose committed offset (none: the first
-/// offset) has reached the end, each as of when its end was asked for.
+/// One partition as a check read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KafkaReading {
+    pub partition: i32,
+    /// The group's committed offset (none: the partition's first offset),
+    /// read before `end`.
+    pub taken: i64,
+    /// The partition's end offset.
+    pub end: i64,
+    /// When `end` was asked for.
+    pub at: Instant,
+}
+
+/// Every partition of `topic`: the group's committed offset and the end.
 /// Blocking: run it off the async threads.
-pub fn kafka_drained(
+pub fn kafka_read(
     client: &BaseConsumer,
     topic: &str,
     timeout: Duration,
-) -> Result<Drained, String> {
+) -> Result<Vec<KafkaReading>, String> {
     let metadata = client
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| format!("cannot read the partitions of `{topic}`: {e}"))?;
@@ -173,30 +216,62 @@ pub fn kafka_drained(
     let committed = client
         .committed_offsets(asked, timeout)
         .map_err(|e| format!("cannot read the committed offsets of `{topic}`: {e}"))?;
-    let mut drained = Vec::new();
-    for p in partitions {
+    let mut readings = Vec::with_capacity(partitions.len());
+    for partition in partitions {
         let at = Instant::now();
         let (first, end) = client
-            .fetch_watermarks(topic, p, timeout)
-            .map_err(|e| format!("cannot read the end of `{topic}` [{p}]: {e}"))?;
-        let taken = match committed.find_partition(topic, p).map(|e| e.offset()) {
+            .fetch_watermarks(topic, partition, timeout)
+            .map_err(|e| format!("cannot read the end of `{topic}` [{partition}]: {e}"))?;
+        let taken = match committed
+            .find_partition(topic, partition)
+            .map(|e| e.offset())
+        {
             Some(Offset::Offset(n)) => n,
             _ => first,
         };
-        if taken >= end {
-            drained.push((p, at));
-        }
+        readings.push(KafkaReading {
+            partition,
+            taken,
+            end,
+            at,
+        });
     }
-    Ok(drained)
+    Ok(readings)
 }
 
-/// Partition 0 of `queue` when it has no ready message, as of when the
-/// broker was asked.
-pub async fn rabbitmq_drained(
+/// A Kafka checker's watermarks: per partition, an end offset read at an
+/// instant, waiting for the committed offset to reach it (module doc).
+#[derive(Debug, Default)]
+pub struct KafkaWatermarks(HashMap<i32, (i64, Instant)>);
+
+impl KafkaWatermarks {
+    /// Every partition read, with the instant as of which it is drained.
+    pub fn observe(&mut self, readings: &[KafkaReading]) -> Seen {
+        readings
+            .iter()
+            .map(|r| {
+                if r.taken >= r.end {
+                    self.0.remove(&r.partition);
+                    return (r.partition, Some(r.at));
+                }
+                let drained = match self.0.get(&r.partition) {
+                    Some(&(end, at)) if r.taken >= end => Some(at),
+                    Some(_) => return (r.partition, None),
+                    None => None,
+                };
+                self.0.insert(r.partition, (r.end, r.at));
+                (r.partition, drained)
+            })
+            .collect()
+    }
+}
+
+/// How many messages `queue` holds ready, and when the broker was asked.
+pub async fn rabbitmq_ready(
     channel: &Channel,
     queue: &str,
     timeout: Duration,
-) -> Result<Drained, String> {
+) -> Result<(u32, Instant), String> {
     let at = Instant::now();
     let passive = QueueDeclareOptions {
         passive: true,
@@ -212,9 +287,222 @@ pub async fn rabbitmq_drained(
         format!("RabbitMQ did not say within {timeout:?} how many messages `{queue}` holds")
     })?
     .map_err(|e| format!("cannot ask RabbitMQ how many messages `{queue}` holds: {e}"))?;
-    Ok(if declared.message_count() == 0 {
-        vec![(0, at)]
-    } else {
-        Vec::new()
-    })
+    Ok((declared.message_count(), at))
+}
+
+/// A RabbitMQ checker's watermark: `ready` messages at `at`, when this
+/// consumer had received `delivered` first deliveries (module doc).
+#[derive(Debug)]
+pub struct RabbitmqWatermark {
+    prefetch: u64,
+    pending: Option<(u64, u64, Instant)>,
+}
+
+impl RabbitmqWatermark {
+    pub fn new(prefetch: u16) -> Self {
+        RabbitmqWatermark {
+            prefetch: u64::from(prefetch),
+            pending: None,
+        }
+    }
+
+    /// A check: `ready` messages as of `at`, and this consumer's first
+    /// deliveries counted once the broker answered. The instant as of which
+    /// the queue is drained, if it is.
+    pub fn observe(&mut self, ready: u32, at: Instant, delivered: u64) -> Option<Instant> {
+        if ready == 0 {
+            self.pending = None;
+            return Some(at);
+        }
+        let drained = match self.pending {
+            Some((n, since, then)) if delivered.saturating_sub(since) >= n + self.prefetch => {
+                Some(then)
+            }
+            Some(_) => return None,
+            None => None,
+        };
+        self.pending = Some((u64::from(ready), delivered, at));
+        drained
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reading(partition: i32, taken: i64, end: i64, at: Instant) -> KafkaReading {
+        KafkaReading {
+            partition,
+            taken,
+            end,
+            at,
+        }
+    }
+
+    /// A group always a few messages behind records drains that trail by a
+    /// check, not none; a partition that does not move records none.
+    #[test]
+    fn kafka_watermarks_advance_under_constant_lag() {
+        let t0 = Instant::now();
+        let t = |s: u64| t0 + Duration::from_secs(s);
+        let mut marks = KafkaWatermarks::default();
+        // Partition 0 stays 5 behind an end growing by 10 a check;
+        // partition 1 is drained; partition 2 is stuck at 0.
+        assert_eq!(
+            marks.observe(&[
+                reading(0, 5, 10, t(0)),
+                reading(1, 7, 7, t(0)),
+                reading(2, 0, 3, t(0))
+            ]),
+            [(0, None), (1, Some(t(0))), (2, None)]
+        );
+        assert_eq!(
+            marks.observe(&[
+                reading(0, 15, 20, t(1)),
+                reading(1, 7, 9, t(1)),
+                reading(2, 0, 4, t(1))
+            ]),
+            [(0, Some(t(0))), (1, None), (2, None)]
+        );
+        // Not yet at 20 (the end read at t(1)): nothing, and the watermark stays.
+        assert_eq!(
+            marks.observe(&[
+                reading(0, 19, 30, t(2)),
+                reading(1, 8, 9, t(2)),
+                reading(2, 0, 5, t(2))
+            ]),
+            [(0, None), (1, None), (2, None)]
+        );
+        assert_eq!(
+            marks.observe(&[
+                reading(0, 25, 40, t(3)),
+                reading(1, 9, 12, t(3)),
+                reading(2, 0, 6, t(3))
+            ]),
+            [(0, Some(t(1))), (1, Some(t(1))), (2, None)]
+        );
+        assert_eq!(
+            marks.observe(&[reading(0, 40, 50, t(4))]),
+            [(0, Some(t(3)))]
+        );
+    }
+
+    /// A queue never empty: drained as of a check once this consumer has
+    /// had as many first deliveries since as were ready then, plus its
+    /// prefetch (deliveries it may not have seen yet).
+    #[test]
+    fn rabbitmq_watermark_needs_the_ready_count_plus_prefetch() {
+        let t0 = Instant::now();
+        let t = |s: u64| t0 + Duration::from_secs(s);
+        let mut mark = RabbitmqWatermark::new(4);
+        assert_eq!(mark.observe(0, t(0), 0), Some(t(0)));
+        assert_eq!(mark.observe(10, t(1), 3), None);
+        // 13 since t(1): not 10 + 4.
+        assert_eq!(mark.observe(12, t(2), 16), None);
+        assert_eq!(mark.observe(12, t(3), 17), Some(t(1)));
+        // The next watermark counts from 17.
+        assert_eq!(mark.observe(9, t(4), 30), None);
+        assert_eq!(mark.observe(9, t(5), 33), Some(t(3)));
+        // Empty at last: drained now, whatever the count.
+        assert_eq!(mark.observe(0, t(6), 33), Some(t(6)));
+        assert_eq!(mark.observe(5, t(7), 33), None);
+    }
+
+    /// The gate covers partitions that never drained: a check writes every
+    /// partition, `'-infinity'` for one without a mark, and keeps the mark of
+    /// one not drained this time.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_partition_that_never_drained_holds_redrive_back(pool: PgPool) {
+        use crate::queue::{self, routing, NewJob};
+        use crate::relay::outbox;
+        use crate::relay::routes::{self, RouteMode};
+
+        let after = Duration::from_secs(60);
+        routes::set(
+            &mut pool.acquire().await.unwrap(),
+            "task",
+            RouteMode::Broker,
+            Some(SinkKind::Kafka),
+            Some("lagging"),
+        )
+        .await
+        .unwrap();
+        queue::enqueue_many(
+            &mut pool.acquire().await.unwrap(),
+            &[NewJob::new("task").idempotency_key("stranded")],
+        )
+        .await
+        .unwrap();
+        let claimed = outbox::claim(&pool, SinkKind::Kafka, 10, after)
+            .await
+            .unwrap();
+        let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+        outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+        for backdate in [
+            "UPDATE almanac.jobs SET run_at = now() - interval '10 minutes'",
+            "UPDATE almanac.outbox_batches SET published_at = now() - interval '10 minutes'",
+        ] {
+            sqlx::query(backdate).execute(&pool).await.unwrap();
+        }
+        let marks = || async {
+            let rows: Vec<(i32, String)> = sqlx::query_as(
+                "SELECT partition, CASE WHEN drained_at = '-infinity' THEN 'never' \
+                 WHEN drained_at > now() - interval '1 minute' THEN 'fresh' ELSE 'old' END \
+                 FROM almanac.consumer_marks WHERE destination = 'lagging' ORDER BY partition",
+            )
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            rows.into_iter()
+                .map(|(p, s)| format!("{p}:{s}"))
+                .collect::<Vec<_>>()
+        };
+        let held = || async {
+            let step = routing::redrive(&pool, "kafka", after, None).await.unwrap();
+            (step.redriven, step.held.len())
+        };
+        // Partitions 0 and 1 drain at every check; 2 never does.
+        let now = Instant::now();
+        for _ in 0..3 {
+            let seen = [(0, Some(now)), (1, Some(now)), (2, None)];
+            record(&pool, SinkKind::Kafka, "lagging", &seen)
+                .await
+                .unwrap();
+        }
+        assert_eq!(marks().await, ["0:fresh", "1:fresh", "2:never"]);
+        assert_eq!(
+            held().await,
+            (0, 1),
+            "re-drive copied a message partition 2 may hold"
+        );
+        // A partition that drained once, long ago, and not since keeps that mark.
+        sqlx::query(
+            "UPDATE almanac.consumer_marks SET drained_at = now() - interval '20 minutes' \
+             WHERE partition = 2",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        record(
+            &pool,
+            SinkKind::Kafka,
+            "lagging",
+            &[(0, Some(now)), (1, None), (2, None)],
+        )
+        .await
+        .unwrap();
+        assert_eq!(marks().await, ["0:fresh", "1:fresh", "2:old"]);
+        assert_eq!(held().await, (0, 1));
+        // Partition 2 drains: the job is truly stranded and re-driven.
+        record(
+            &pool,
+            SinkKind::Kafka,
+            "lagging",
+            &[(0, None), (1, None), (2, Some(now))],
+        )
+        .await
+        .unwrap();
+        assert_eq!(marks().await, ["0:fresh", "1:fresh", "2:fresh"]);
+        assert_eq!(held().await, (1, 0));
+    }
 }

@@ -13,7 +13,8 @@
 //! consumers take turns with it. If the copy is not confirmed, the original
 //! is rejected with requeue instead: one of the two always stays queued.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -28,6 +29,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::marks::RabbitmqWatermark;
 use super::{Consumer, Handled, JOB_ID_HEADER, OTHER_KIND_HOLD};
 use crate::broker::rabbitmq::{connect, declare};
 use crate::broker::{SinkError, SinkKind};
@@ -115,10 +117,14 @@ pub(super) async fn run(
         info!(%queue, url = %redact_url(&url), "RabbitMQ consumer started");
         // Whether the queue is drained, for the re-drive gate
         // (`super::marks`), while this session lasts.
+        // First deliveries this session, for the watermark.
+        let delivered = Arc::new(AtomicU64::new(0));
         let watching = shutdown.child_token();
         let watching_guard = watching.clone().drop_guard();
         tokio::spawn({
             let (checks, name, timeout) = (checks, queue.clone(), consumer.sinks.ack_timeout);
+            let delivered = delivered.clone();
+            let watermark = Arc::new(Mutex::new(RabbitmqWatermark::new(prefetch)));
             super::marks::watch(
                 consumer.pool.clone(),
                 SinkKind::Rabbitmq,
@@ -126,7 +132,18 @@ pub(super) async fn run(
                 watching,
                 move || {
                     let (checks, name) = (checks.clone(), name.clone());
-                    async move { super::marks::rabbitmq_drained(&checks, &name, timeout).await }
+                    let (delivered, watermark) = (delivered.clone(), watermark.clone());
+                    async move {
+                        let (ready, at) =
+                            super::marks::rabbitmq_ready(&checks, &name, timeout).await?;
+                        // Counted once the broker answered (module doc).
+                        let delivered = delivered.load(Ordering::SeqCst);
+                        let drained = watermark
+                            .lock()
+                            .expect("not poisoned")
+                            .observe(ready, at, delivered);
+                        Ok(vec![(0, drained)])
+                    }
                 },
             )
         });
@@ -150,6 +167,9 @@ pub(super) async fn run(
             let delivery = match next {
                 Some(Ok(delivery)) => {
                     retry.succeeded();
+                    if !delivery.redelivered {
+                        delivered.fetch_add(1, Ordering::SeqCst);
+                    }
                     delivery
                 }
                 Some(Err(err)) => {

@@ -169,8 +169,9 @@ pub struct Held {
     pub destination: String,
     /// The kinds routed there (sorted).
     pub kinds: Vec<String>,
-    /// The oldest of its partitions' last drains.
-    pub drained_at: DateTime<Utc>,
+    /// The oldest of its partitions' last drains; `None`: some partition
+    /// was never seen drained.
+    pub drained_at: Option<DateTime<Utc>>,
 }
 
 /// What one step of a re-drive sweep did.
@@ -208,7 +209,9 @@ pub struct RedriveStep {
 /// whose every partition was drained within `after`, have candidates: a
 /// candidate was last published more than `after` ago, so a drain since
 /// proves its message is no longer waiting in the broker, and without one
-/// it may be (consumers down or behind) and is not copied again. The gate
+/// it may be (consumers down or behind) and is not copied again. Consumers
+/// write a mark for every partition, `'-infinity'` for one never seen
+/// drained, so one lagging partition holds its destination back. The gate
 /// reads the marks of this sink's routed destinations once per step (a
 /// primary-key range per destination). The others are returned as
 /// [`RedriveStep::held`].
@@ -225,7 +228,7 @@ pub async fn redrive<'e>(
         Option<i64>,
         Vec<String>,
         Vec<Json<Vec<String>>>,
-        Vec<DateTime<Utc>>,
+        Vec<Option<DateTime<Utc>>>,
     );
     let (redriven, until, run_at, id, held, kinds, drained): Step = sqlx::query_as(
         r#"
@@ -270,7 +273,8 @@ pub async fn redrive<'e>(
         ), last AS (
             SELECT run_at, id FROM candidates ORDER BY run_at DESC, id DESC LIMIT 1
         ), held AS (
-            SELECT destination, to_jsonb(kinds) AS kinds, drained FROM gates
+            SELECT destination, to_jsonb(kinds) AS kinds,
+                nullif(drained, '-infinity'::timestamptz) AS drained FROM gates
             WHERE destination NOT IN (SELECT destination FROM open)
         )
         SELECT (SELECT n FROM redriven),

@@ -442,7 +442,7 @@ impl Relay {
                 %sink,
                 destination = %h.destination,
                 kinds = ?h.kinds,
-                drained_at = %h.drained_at,
+                drained_at = h.drained_at.map_or_else(|| "never".to_string(), |at| at.to_rfc3339()),
                 redrive_after_ms = self.config.redrive_after.as_millis() as u64,
                 "re-drive held back: the destination's consumers have not drained it within redrive_after, so stranded jobs' messages may still wait there and are not copied again. Start or scale its consumers; re-drive resumes once they drain it"
             );

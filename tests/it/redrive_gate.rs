@@ -7,7 +7,12 @@
 //! others there.)
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
+
+use almanac::consumer::{Consumer, ConsumerConfig};
+use almanac::worker::{HandlerError, JobContext, WorkerConfig};
 
 use almanac::queue::routing;
 use almanac::queue::{self, NewJob};
@@ -372,4 +377,162 @@ async fn redrive_waits_for_every_partition_to_drain(pool: PgPool) {
     assert_eq!((step.redriven, step.held.len()), (2, 0));
     let step = routing::redrive(&pool, "kafka", after, None).await.unwrap();
     assert_eq!(step.redriven, 0, "a fresh row is pending: no second copy");
+}
+
+/// Jobs the feeder keeps waiting for a busy consumer.
+const BACKLOG: i64 = 50;
+
+/// A consumer whose jobs take `work` each.
+fn busy_consumer(pool: &PgPool, sink: SinkKind, destination: &str, log: PgPool) -> Consumer {
+    let config = ConsumerConfig {
+        sink,
+        destination: destination.to_string(),
+        group: None,
+        worker: WorkerConfig {
+            concurrency: 4,
+            batch_size: 4,
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+            shutdown_deadline: Duration::from_secs(5),
+            ..WorkerConfig::default()
+        }
+        .validated()
+        .unwrap(),
+    };
+    Consumer::new(pool.clone(), brokers::sinks(), config).register(
+        "task",
+        move |ctx: JobContext| {
+            let log = log.clone();
+            Box::pin(async move {
+                // The job's work, so that messages wait behind it.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                harness::log_exec(&log, ctx.job.id, ctx.job.attempts, 1).await;
+                Ok::<(), HandlerError>(())
+            }) as Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send>>
+        },
+    )
+}
+
+/// Keeps about [`BACKLOG`] jobs ready (published and waiting for the
+/// consumer) until `stop`; returns how many it enqueued.
+async fn feed(pool: PgPool, stop: CancellationToken) -> usize {
+    let mut fed = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let ready = count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'",
+        )
+        .await;
+        let more = (BACKLOG - ready).max(0) as usize;
+        if more > 0 {
+            let mut conn = pool.acquire().await.unwrap();
+            let batch: Vec<NewJob> = (fed..fed + more)
+                .map(|i| NewJob::new("task").idempotency_key(format!("stream:{i}")))
+                .collect();
+            queue::enqueue_many(&mut conn, &batch).await.unwrap();
+            fed += more;
+        }
+    }
+    fed
+}
+
+/// A consumer that is never idle (a steady stream keeps messages waiting
+/// for it, so its destination is never seen empty for long) still records
+/// drains, through watermarks, and a job whose message never reached the
+/// broker is re-driven and runs once while the stream goes on.
+async fn a_lost_message_is_redriven_while_the_consumer_is_busy(pool: PgPool, sink: SinkKind) {
+    let after = Duration::from_secs(5);
+    harness::create_exec_log(&pool).await;
+    let log = harness::log_pool(&pool, 4).await;
+    let destination = destination(&pool, sink, "busy").await;
+    let stop = CancellationToken::new();
+    let consumer = busy_consumer(&pool, sink, &destination, log.clone());
+    let progress = consumer.progress();
+    let consumer = tokio::spawn(consumer.run(stop.clone()));
+    enqueue(&pool, "lost", 1).await;
+    // Marked published as a relay marks it; no message was sent.
+    let claimed = outbox::claim(&pool, sink, 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows.len(), 1);
+    let outcomes = outbox::Outcomes::all_published(&claimed.rows);
+    outbox::mark(&pool, claimed.token, &outcomes).await.unwrap();
+    let lost: i64 = claimed.rows[0].job_id;
+
+    let feeding = CancellationToken::new();
+    let feeder = tokio::spawn(feed(pool.clone(), feeding.clone()));
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        RelayConfig {
+            redrive_after: after,
+            ..brokers::relay_config()
+        }
+        .validated()
+        .unwrap(),
+    );
+    let relay = tokio::spawn(relay.run(stop.clone()));
+    eventually(
+        "the consumer works through the stream",
+        Duration::from_secs(60),
+        || async { progress.report().executed >= 500 },
+    )
+    .await;
+    eventually(
+        "the lost job is re-driven and done while the stream goes on",
+        Duration::from_secs(90),
+        || async {
+            let status: String =
+                sqlx::query_scalar("SELECT status FROM almanac.jobs WHERE id = $1")
+                    .bind(lost)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            status == "done"
+        },
+    )
+    .await;
+    assert_eq!(
+        fresh_marks(&pool, &destination, after).await,
+        partitions(sink),
+        "every partition was drained within redrive_after"
+    );
+    let fed = feeding_stop(feeding, feeder).await;
+    eventually("every job done", Duration::from_secs(120), || {
+        all_done(&pool, fed as i64 + 1)
+    })
+    .await;
+    stop.cancel();
+    consumer.await.unwrap().unwrap();
+    relay.await.unwrap().unwrap();
+    println!("{sink}: {fed} jobs streamed past a busy consumer; the lost one re-driven");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM exec_log").await,
+        fed as i64 + 1,
+        "a job ran twice"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(DISTINCT job_id) FROM exec_log").await,
+        fed as i64 + 1
+    );
+}
+
+async fn feeding_stop(feeding: CancellationToken, feeder: tokio::task::JoinHandle<usize>) -> usize {
+    feeding.cancel();
+    feeder.await.unwrap()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_lost_message_is_redriven_while_the_consumer_is_busy(pool: PgPool) {
+    a_lost_message_is_redriven_while_the_consumer_is_busy(pool, SinkKind::Rabbitmq).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_lost_message_is_redriven_while_the_consumer_is_busy(pool: PgPool) {
+    a_lost_message_is_redriven_while_the_consumer_is_busy(pool, SinkKind::Kafka).await;
 }
