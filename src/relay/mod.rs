@@ -45,8 +45,13 @@
 //!   reconnects, writing, acknowledgements), ends by its [`Deadline`]: its
 //!   in-flight lease less the time its mark needs ([`mark_reserve`]). Past
 //!   it the rows not acknowledged are retried ("maybe sent", one more copy
-//!   at most), and a mark that comes after the lease marks nothing, so no
-//!   row is recorded by two batches, whatever the broker does.
+//!   at most), and a mark that comes after the lease marks nothing. (Left:
+//!   a mark that starts just before the lease ends and commits after
+//!   another relay's claim read the rows again records them in both
+//!   batches and they go out once more; the relay starts its marks
+//!   [`mark_reserve`] before the lease ends, and the job fence runs the
+//!   job once either way. The database statements of a batch are bounded
+//!   by the server's lock timeouts, not by this deadline.)
 //! - **A blocked broker.** RabbitMQ blocks publishers on a memory or disk
 //!   alarm (`connection.blocked`). The batch it caught fails retriable at
 //!   its deadline; while the block lasts the relay claims nothing (no row

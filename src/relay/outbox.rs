@@ -222,8 +222,14 @@ pub async fn claim_after(
     let mut rows: Vec<OutboxRow> = raw.into_iter().map(outbox_row).collect();
     rows.sort_unstable_by_key(|r| r.id);
     let loaded: i64 = rows.iter().map(|r| r.payload.len() as i64).sum();
+    // Full: the claim may have stopped before rows that are due (its row
+    // limit, or its byte budget, which it can meet only once it holds more
+    // than the budget minus one message; any batch at all when the budget
+    // is below the message limit). An empty claim is never full.
     let full = rows.len() as i64 >= limits.rows
-        || loaded > limits.bytes.saturating_sub(limits.max_message_bytes);
+        || (!rows.is_empty()
+            && (limits.bytes <= limits.max_message_bytes
+                || loaded > limits.bytes - limits.max_message_bytes));
     Ok(Claimed {
         token,
         rows,
@@ -495,6 +501,30 @@ pub async fn readdress(
     job_ids: &[i64],
 ) -> Result<(u64, u64), sqlx::Error> {
     if job_ids.is_empty() {
+        return Ok((0, 0));
+    }
+    // Most windows of a route walk have nothing to re-address (a change of
+    // mode alone: the rows the move wrote carry the new address): those
+    // leave the claim locks alone, so the relays' claims go on meanwhile. A
+    // row misaddressed by a statement that commits after this look is
+    // found by the relays' reconcile ([`misaddressed_kinds`]).
+    let misaddressed: bool = sqlx::query_scalar(
+        r#"
+        SELECT EXISTS (
+            SELECT 1 FROM almanac.outbox AS o
+            JOIN almanac.jobs AS j ON j.id = o.job_id
+            LEFT JOIN almanac.routes AS r ON r.kind = j.kind
+            WHERE o.job_id = ANY($1)
+              AND o.published_at IS NULL AND o.failed_at IS NULL
+              AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
+                   OR (j.route <> 'db' AND r.mode <> 'db'
+                       AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))))
+        "#,
+    )
+    .bind(job_ids)
+    .fetch_one(&mut *conn)
+    .await?;
+    if !misaddressed {
         return Ok((0, 0));
     }
     // Claims of both sinks wait until this transaction ends, so none picks

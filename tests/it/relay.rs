@@ -710,3 +710,45 @@ async fn marks_find_rows_by_id_on_a_large_backlog(pool: PgPool) {
         assert!(!plan.contains("outbox_due_idx"), "{name}: {plan}");
     }
 }
+
+// ---- a byte budget below the message limit does not spin ----
+
+/// `--relay-batch-bytes` below `--max-message-bytes` (a larger message
+/// goes out alone): every batch may have stopped at the budget, so the
+/// relay claims again at once, but an empty claim ends the drain; before,
+/// every claim counted as full and `drain` never returned.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_budget_below_the_message_limit_drains_and_returns(pool: PgPool) {
+    let sinks = brokers::sinks();
+    let destination = route(&pool, "task", RouteMode::Broker, SinkKind::Rabbitmq, &sinks).await;
+    assert!(!destination.is_empty());
+    let mut conn = pool.acquire().await.unwrap();
+    let jobs: Vec<NewJob> = (0..12)
+        .map(|i| {
+            NewJob::new("task")
+                .payload(serde_json::json!({"n": i, "pad": "x".repeat(400)}))
+                .idempotency_key(format!("budget:{i}"))
+        })
+        .collect();
+    queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap(),
+        RelayConfig {
+            batch_bytes: 1_000,
+            ..brokers::relay_config()
+        }
+        .validated()
+        .unwrap(),
+    );
+    let report = tokio::time::timeout(Duration::from_secs(30), relay.drain())
+        .await
+        .expect("drain returned")
+        .unwrap();
+    assert_eq!(report.published, 12);
+    assert_eq!(unpublished(&pool).await, 0);
+    assert!(
+        count(&pool, "SELECT count(*) FROM almanac.outbox_batches").await >= 6,
+        "batches of about two 420-byte messages each"
+    );
+}
