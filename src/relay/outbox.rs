@@ -486,6 +486,19 @@ pub struct FailedRow {
     pub error: String,
 }
 
+/// The pending rows (`o`) of the jobs `$1` that [`readdress`] changes: on
+/// the `db` route (dropped), or addressed to another sink or destination
+/// than their kind's route (re-addressed).
+const MISADDRESSED: &str = r#"
+    JOIN almanac.jobs AS j ON j.id = o.job_id
+    LEFT JOIN almanac.routes AS r ON r.kind = j.kind
+    WHERE o.job_id = ANY($1)
+      AND o.published_at IS NULL AND o.failed_at IS NULL
+      AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
+           OR (j.route <> 'db' AND r.mode <> 'db'
+               AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)))
+"#;
+
 /// Points the pending rows of the jobs `job_ids` (a window of one kind's
 /// ready jobs, see [`crate::queue::routing::move_window`]) at their kind's
 /// current sink and destination when they name others; batches in flight
@@ -508,19 +521,9 @@ pub async fn readdress(
     // leave the claim locks alone, so the relays' claims go on meanwhile. A
     // row misaddressed by a statement that commits after this look is
     // found by the relays' reconcile ([`misaddressed_kinds`]).
-    let misaddressed: bool = sqlx::query_scalar(
-        r#"
-        SELECT EXISTS (
-            SELECT 1 FROM almanac.outbox AS o
-            JOIN almanac.jobs AS j ON j.id = o.job_id
-            LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-            WHERE o.job_id = ANY($1)
-              AND o.published_at IS NULL AND o.failed_at IS NULL
-              AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
-                   OR (j.route <> 'db' AND r.mode <> 'db'
-                       AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))))
-        "#,
-    )
+    let misaddressed: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM almanac.outbox AS o {MISADDRESSED})"
+    ))
     .bind(job_ids)
     .fetch_one(&mut *conn)
     .await?;
@@ -536,21 +539,12 @@ pub async fn readdress(
         .bind(SinkKind::ALL.map(claim_lock).to_vec())
         .execute(&mut *conn)
         .await?;
-    sqlx::query(
-        r#"
-        DELETE FROM almanac.outbox_batches AS b
-        WHERE b.published_at IS NULL AND EXISTS (
-            SELECT 1 FROM unnest(b.ids) AS x(id)
-            JOIN almanac.outbox AS o ON o.id = x.id
-            JOIN almanac.jobs AS j ON j.id = o.job_id
-            LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-            WHERE o.job_id = ANY($1)
-              AND o.published_at IS NULL AND o.failed_at IS NULL
-              AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
-                   OR (j.route <> 'db' AND r.mode <> 'db'
-                       AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))))
-        "#,
-    )
+    sqlx::query(&format!(
+        "DELETE FROM almanac.outbox_batches AS b \
+         WHERE b.published_at IS NULL AND EXISTS ( \
+             SELECT 1 FROM unnest(b.ids) AS x(id) JOIN almanac.outbox AS o ON o.id = x.id \
+             {MISADDRESSED})"
+    ))
     .bind(job_ids)
     .execute(&mut *conn)
     .await?;

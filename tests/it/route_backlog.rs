@@ -84,6 +84,14 @@ async fn future_backlog(pool: &PgPool, kind: &str, n: i64) {
         .unwrap();
 }
 
+async fn done(pool: &PgPool) -> i64 {
+    count(
+        pool,
+        "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+    )
+    .await
+}
+
 async fn running(pool: &PgPool) -> i64 {
     count(
         pool,
@@ -191,12 +199,7 @@ async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
     assert_eq!(running(&pool).await, 16, "a running job lost its lease");
     finish.notify_waiters();
     eventually("the 16 jobs done", Duration::from_secs(30), || async {
-        count(
-            &pool,
-            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
-        )
-        .await
-            == 16
+        done(&pool).await == 16
     })
     .await;
     stop.cancel();
@@ -305,12 +308,7 @@ async fn one_locked_row_holds_up_no_other_renewal_or_completion(pool: PgPool) {
     .await;
     locker.commit().await.unwrap();
     eventually("the fourth done", Duration::from_secs(10), || async {
-        count(
-            &pool,
-            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
-        )
-        .await
-            == 4
+        done(&pool).await == 4
     })
     .await;
     stop.cancel();
