@@ -486,17 +486,23 @@ pub struct FailedRow {
     pub error: String,
 }
 
-/// The pending rows (`o`) of the jobs `$1` that [`readdress`] changes: on
-/// the `db` route (dropped), or addressed to another sink or destination
-/// than their kind's route (re-addressed).
-const MISADDRESSED: &str = r#"
-    JOIN almanac.jobs AS j ON j.id = o.job_id
+/// The ids of the pending rows of the jobs `$1` that [`readdress`]
+/// changes: on the `db` route (dropped), or addressed to another sink or
+/// destination than their kind's route (re-addressed). Driven from the job
+/// ids through `outbox_job_idx` (a lateral lookup per job): the pending
+/// test is written so the partial index of pending rows cannot be used,
+/// since while a walk writes many rows that index's statistics are stale
+/// and a plan through it read every pending row for each window.
+const MISADDRESSED_ROWS: &str = r#"
+    SELECT o.id FROM unnest($1::bigint[]) AS x(id)
+    CROSS JOIN LATERAL (
+        SELECT o.id, o.sink, o.destination FROM almanac.outbox AS o
+        WHERE o.job_id = x.id AND coalesce(o.published_at, o.failed_at) IS NULL) AS o
+    JOIN almanac.jobs AS j ON j.id = x.id
     LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-    WHERE o.job_id = ANY($1)
-      AND o.published_at IS NULL AND o.failed_at IS NULL
-      AND ((j.route = 'db' AND j.status IN ('ready', 'running'))
-           OR (j.route <> 'db' AND r.mode <> 'db'
-               AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)))
+    WHERE (j.route = 'db' AND j.status IN ('ready', 'running'))
+       OR (j.route <> 'db' AND r.mode <> 'db'
+           AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))
 "#;
 
 /// Points the pending rows of the jobs `job_ids` (a window of one kind's
@@ -521,13 +527,11 @@ pub async fn readdress(
     // leave the claim locks alone, so the relays' claims go on meanwhile. A
     // row misaddressed by a statement that commits after this look is
     // found by the relays' reconcile ([`misaddressed_kinds`]).
-    let misaddressed: bool = sqlx::query_scalar(&format!(
-        "SELECT EXISTS (SELECT 1 FROM almanac.outbox AS o {MISADDRESSED})"
-    ))
-    .bind(job_ids)
-    .fetch_one(&mut *conn)
-    .await?;
-    if !misaddressed {
+    let rows: Vec<i64> = sqlx::query_scalar(MISADDRESSED_ROWS)
+        .bind(job_ids)
+        .fetch_all(&mut *conn)
+        .await?;
+    if rows.is_empty() {
         return Ok((0, 0));
     }
     // Claims of both sinks wait until this transaction ends, so none picks
@@ -539,28 +543,25 @@ pub async fn readdress(
         .bind(SinkKind::ALL.map(claim_lock).to_vec())
         .execute(&mut *conn)
         .await?;
-    sqlx::query(&format!(
-        "DELETE FROM almanac.outbox_batches AS b \
-         WHERE b.published_at IS NULL AND EXISTS ( \
-             SELECT 1 FROM unnest(b.ids) AS x(id) JOIN almanac.outbox AS o ON o.id = x.id \
-             {MISADDRESSED})"
-    ))
-    .bind(job_ids)
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query("DELETE FROM almanac.outbox_batches WHERE published_at IS NULL AND ids && $1")
+        .bind(&rows)
+        .execute(&mut *conn)
+        .await?;
+    // Primary-key lookups of those rows, each condition tested again (a
+    // relay may have published one meanwhile).
     let moved = sqlx::query(
         r#"
         UPDATE almanac.outbox AS o
         SET sink = r.sink, destination = r.destination, available_at = j.run_at,
             attempts = 0, last_error = NULL
         FROM almanac.jobs AS j, almanac.routes AS r
-        WHERE o.job_id = ANY($1) AND o.job_id = j.id AND r.kind = j.kind
+        WHERE o.id = ANY($1) AND j.id = o.job_id AND r.kind = j.kind
           AND o.published_at IS NULL AND o.failed_at IS NULL
           AND j.route <> 'db' AND r.mode <> 'db'
           AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)
         "#,
     )
-    .bind(job_ids)
+    .bind(&rows)
     .execute(&mut *conn)
     .await?
     .rows_affected();
@@ -568,12 +569,12 @@ pub async fn readdress(
         r#"
         DELETE FROM almanac.outbox AS o
         USING almanac.jobs AS j
-        WHERE o.job_id = ANY($1) AND o.job_id = j.id AND j.route = 'db'
+        WHERE o.id = ANY($1) AND j.id = o.job_id AND j.route = 'db'
           AND j.status IN ('ready', 'running')
           AND o.published_at IS NULL AND o.failed_at IS NULL
         "#,
     )
-    .bind(job_ids)
+    .bind(&rows)
     .execute(&mut *conn)
     .await?
     .rows_affected();
