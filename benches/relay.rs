@@ -1,5 +1,9 @@
-//! Relay throughput next to a raw client sending the same messages to the
-//! same broker in the same run (not a timed test).
+//! Relay throughput next to its two ceilings, in the same run (not a timed
+//! test): a raw client sending the same messages to the same broker with
+//! many in flight (pipelined), and the relay's own outbox statements with no
+//! broker. Also a raw client awaiting each batch-sized chunk before the next
+//! (the relay's own pattern), and with `ALMANAC_BENCH_SWEEPS=1` the re-drive
+//! and reconcile sweeps at 100,000 and 1,000,000 ready jobs.
 //!
 //! `cargo bench --bench relay` with tansu on 127.0.0.1:9092 and RabbitMQ on
 //! 127.0.0.1:5672 (`scripts/services.sh` starts both). Uses a scratch database.
@@ -10,6 +14,7 @@ use almanac::queue::{self, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{outbox, Publisher, Relay, RelayConfig, SinkConfig, SinkKind};
 use almanac::role::Settings;
+use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -80,8 +85,58 @@ fn relay_headers(kind: &'static str, n: usize) -> [(&'static str, String); 4] {
     ]
 }
 
+/// The relay's `n`th Kafka message of the turn: its key and its headers.
+fn kafka_message(n: usize) -> (String, OwnedHeaders) {
+    let mut headers = OwnedHeaders::new_with_capacity(4);
+    for (key, value) in relay_headers("bench_kafka", n) {
+        headers = headers.insert(Header {
+            key,
+            value: Some(value.as_str()),
+        });
+    }
+    (format!("kafka:{n}"), headers)
+}
+
+/// The relay's `n`th RabbitMQ message of the turn: its properties and its
+/// headers.
+fn rabbit_properties(n: usize) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (key, value) in relay_headers("bench_rabbitmq", n) {
+        headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+    }
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(format!("rabbitmq:{n}").as_str().into())
+        .with_headers(headers)
+}
+
+/// How a raw client waits for its acknowledgements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Raw {
+    /// Chunks of the relay's batch, each awaited before the next is sent
+    /// (the relay's own pattern).
+    Awaited,
+    /// Every message sent without waiting, at most [`KAFKA_IN_FLIGHT`] or
+    /// [`RABBIT_IN_FLIGHT`] unacknowledged at a time, then all awaited (the
+    /// broker client's ceiling).
+    Pipelined,
+}
+
+/// Delivery futures the pipelined Kafka producer keeps at most (librdkafka
+/// queues up to 200,000 messages in almanac's producer).
+const KAFKA_IN_FLIGHT: usize = 10_000;
+
+/// Unconfirmed publications the pipelined RabbitMQ publisher keeps at most.
+const RABBIT_IN_FLIGHT: usize = 2_000;
+
 /// The raw Kafka producer's time and CPU for `MESSAGES` (after a warm-up).
-async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> (Duration, Option<f64>) {
+async fn raw_kafka(
+    sinks: &SinkConfig,
+    topic: &str,
+    body: &[u8],
+    how: Raw,
+) -> (Duration, Option<f64>) {
     let producer = almanac::broker::kafka::producer(
         sinks.kafka_brokers.as_deref().unwrap(),
         sinks.ack_timeout,
@@ -97,19 +152,10 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> (Duration, O
         .await
         .map_err(|(e, _)| e)
         .unwrap();
-    timed(async {
+    let awaited = async {
         for chunk in 0..MESSAGES / batch() {
             let sends = (0..batch()).map(|i| {
-                let n = chunk * batch() + i;
-                // The relay's message: its key, its payload and its headers.
-                let key = format!("kafka:{n}");
-                let mut headers = OwnedHeaders::new_with_capacity(4);
-                for (key, value) in relay_headers("bench_kafka", n) {
-                    headers = headers.insert(Header {
-                        key,
-                        value: Some(value.as_str()),
-                    });
-                }
+                let (key, headers) = kafka_message(chunk * batch() + i);
                 let producer = &producer;
                 async move {
                     producer
@@ -129,12 +175,69 @@ async fn raw_kafka(sinks: &SinkConfig, topic: &str, body: &[u8]) -> (Duration, O
                 r.unwrap();
             }
         }
-    })
-    .await
+    };
+    let pipelined = async {
+        let mut in_flight = futures::stream::FuturesUnordered::new();
+        for n in 0..MESSAGES {
+            let (key, headers) = kafka_message(n);
+            let mut record = FutureRecord::to(topic)
+                .key(&key)
+                .payload(body)
+                .headers(headers);
+            loop {
+                if in_flight.len() >= KAFKA_IN_FLIGHT {
+                    delivered(in_flight.next().await);
+                }
+                match producer.send_result(record) {
+                    Ok(delivery) => break in_flight.push(delivery),
+                    // librdkafka's queue is full: wait for a delivery.
+                    Err((
+                        rdkafka::error::KafkaError::MessageProduction(
+                            rdkafka::types::RDKafkaErrorCode::QueueFull,
+                        ),
+                        back,
+                    )) if !in_flight.is_empty() => {
+                        record = back;
+                        delivered(in_flight.next().await);
+                    }
+                    Err((e, _)) => panic!("producing failed: {e}"),
+                }
+            }
+        }
+        while let Some(delivery) = in_flight.next().await {
+            delivered(Some(delivery));
+        }
+    };
+    match how {
+        Raw::Awaited => timed(awaited).await,
+        Raw::Pipelined => timed(pipelined).await,
+    }
+}
+
+/// Panics unless a pipelined Kafka delivery succeeded.
+fn delivered(
+    delivery: Option<
+        Result<
+            rdkafka::producer::future_producer::OwnedDeliveryResult,
+            futures::channel::oneshot::Canceled,
+        >,
+    >,
+) {
+    match delivery {
+        Some(Ok(Ok(_))) => {}
+        Some(Ok(Err((e, _)))) => panic!("a delivery failed: {e}"),
+        Some(Err(_)) => panic!("a delivery was cancelled"),
+        None => panic!("no delivery in flight"),
+    }
 }
 
 /// The raw RabbitMQ publisher's time and CPU for `MESSAGES` (after connecting).
-async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> (Duration, Option<f64>) {
+async fn raw_rabbit(
+    sinks: &SinkConfig,
+    queue: &str,
+    body: &[u8],
+    how: Raw,
+) -> (Duration, Option<f64>) {
     let (conn, channel) =
         almanac::broker::rabbitmq::connect(sinks.amqp_url.as_deref().unwrap(), sinks.ack_timeout)
             .await
@@ -143,38 +246,50 @@ async fn raw_rabbit(sinks: &SinkConfig, queue: &str, body: &[u8]) -> (Duration, 
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let sent = timed(async {
-        for chunk in 0..MESSAGES / batch() {
-            let mut confirms = Vec::new();
-            for i in 0..batch() {
-                // The relay's message: its properties and its headers.
-                let n = chunk * batch() + i;
-                let mut headers = FieldTable::default();
-                for (key, value) in relay_headers("bench_rabbitmq", n) {
-                    headers.insert(key.into(), AMQPValue::LongString(value.as_str().into()));
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let publish =
+        |n: usize| channel.basic_publish(queue, queue, options, body, rabbit_properties(n));
+    let confirmed = |confirm: lapin::Result<lapin::publisher_confirm::Confirmation>| {
+        let confirmation = confirm.unwrap();
+        assert!(
+            confirmation.is_ack(),
+            "the broker did not take a message: {confirmation:?}"
+        );
+    };
+    let sent = match how {
+        Raw::Awaited => {
+            timed(async {
+                for chunk in 0..MESSAGES / batch() {
+                    let mut confirms = Vec::new();
+                    for i in 0..batch() {
+                        confirms.push(publish(chunk * batch() + i).await.unwrap());
+                    }
+                    for c in confirms {
+                        confirmed(c.await);
+                    }
                 }
-                let props = BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_content_type("application/json".into())
-                    .with_message_id(format!("rabbitmq:{n}").as_str().into())
-                    .with_headers(headers);
-                let options = BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                };
-                confirms.push(
-                    channel
-                        .basic_publish(queue, queue, options, body, props)
-                        .await
-                        .unwrap(),
-                );
-            }
-            for c in confirms {
-                c.await.unwrap();
-            }
+            })
+            .await
         }
-    })
-    .await;
+        Raw::Pipelined => {
+            timed(async {
+                let mut in_flight = std::collections::VecDeque::new();
+                for n in 0..MESSAGES {
+                    if in_flight.len() >= RABBIT_IN_FLIGHT {
+                        confirmed(in_flight.pop_front().unwrap().await);
+                    }
+                    in_flight.push_back(publish(n).await.unwrap());
+                }
+                for c in in_flight {
+                    confirmed(c.await);
+                }
+            })
+            .await
+        }
+    };
     let _ = conn.close(200, "done").await;
     sent
 }
@@ -231,6 +346,9 @@ async fn enqueue(pool: &sqlx::PgPool, kind: &str, tag: &str, n: usize) -> anyhow
 
 #[path = "common/mod.rs"]
 mod common;
+
+#[path = "relay/sweeps.rs"]
+mod sweeps;
 
 /// Deletes the benchmark's topic or queue and exchange (each run leaves
 /// 200,000 or more messages behind otherwise).
@@ -338,6 +456,25 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// One turn's throughputs, in messages (or rows) a second.
+struct Turn {
+    relay: f64,
+    /// The raw client in chunks of the relay's batch, each awaited.
+    awaited: f64,
+    /// The raw client with many chunks' worth in flight.
+    pipelined: f64,
+    /// The relay's claim and mark with no broker.
+    alone: f64,
+}
+
+impl Turn {
+    /// The relay against the lower of its two ceilings: the broker client
+    /// (pipelined) and the database (its statements alone).
+    fn goal_ratio(&self) -> f64 {
+        self.relay / self.pipelined.min(self.alone)
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let scratch = common::Scratch::new("relay").await?;
@@ -355,7 +492,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let body =
         serde_json::to_vec(&serde_json::json!({"order": 12345, "note": "benchmark payload"}))?;
-    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks;
+    // ALMANAC_BENCH_SINKS=kafka,rabbitmq (the default) picks the sinks
+    // (`none`: only the sweeps);
     // ALMANAC_BENCH_ROUNDS (default 3) how often relay and raw client take
     // turns.
     let wanted = std::env::var("ALMANAC_BENCH_SINKS").unwrap_or_else(|_| "kafka,rabbitmq".into());
@@ -391,7 +529,7 @@ async fn main() -> anyhow::Result<()> {
         while relay.drain().await?.published == 0 {}
         // Relay and raw client take turns, so a broker or machine that
         // slows down over the run weighs on both.
-        let mut ratios = Vec::new();
+        let mut turns = Vec::new();
         for round in 1..=rounds {
             enqueue(&pool, &kind, &format!("{sink}-{round}"), MESSAGES).await?;
             let cpu = Cpu::now(&pool).await;
@@ -408,34 +546,70 @@ async fn main() -> anyhow::Result<()> {
             }
             let relayed = start.elapsed();
             let (relay_db, relay_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
-            let (raw, raw_cpu) = match sink {
-                SinkKind::Kafka => raw_kafka(&sinks, &destination, &body).await,
-                SinkKind::Rabbitmq => raw_rabbit(&sinks, &destination, &body).await,
+            let raw = |how| {
+                let (sinks, destination, body) = (&sinks, &destination, &body);
+                async move {
+                    match sink {
+                        SinkKind::Kafka => raw_kafka(sinks, destination, body, how).await,
+                        SinkKind::Rabbitmq => raw_rabbit(sinks, destination, body, how).await,
+                    }
+                }
             };
-            let raw_own = raw_cpu.map(|seconds| seconds * 1e6 / MESSAGES as f64);
-            let ratio = rate(MESSAGES, relayed) / rate(MESSAGES, raw);
-            ratios.push(ratio);
+            let (awaited, awaited_cpu) = raw(Raw::Awaited).await;
+            let (pipelined, pipelined_cpu) = raw(Raw::Pipelined).await;
+            enqueue(&pool, &kind, &format!("{sink}-alone-{round}"), MESSAGES).await?;
+            let alone = outbox_alone(&pool, sink).await?;
+            let turn = Turn {
+                relay: rate(MESSAGES, relayed),
+                awaited: rate(MESSAGES, awaited),
+                pipelined: rate(MESSAGES, pipelined),
+                alone: rate(MESSAGES, alone),
+            };
+            let per_message = |cpu: Option<f64>| cpu.map(|seconds| seconds * 1e6 / MESSAGES as f64);
             println!(
-                "{sink:<9} turn {round}: relay {:>7.0} msg/s ({:.2}s)   raw client {:>7.0} msg/s   relay/raw {ratio:.2}   CPU µs/msg: relay {} + database {}, raw client {}",
-                rate(MESSAGES, relayed),
+                "{sink:<9} turn {round}: relay {:>7.0} msg/s ({:.2}s)   raw awaited per chunk {:>7.0}   raw pipelined {:>7.0}   outbox statements alone {:>7.0} rows/s",
+                turn.relay,
                 relayed.as_secs_f64(),
-                rate(MESSAGES, raw),
+                turn.awaited,
+                turn.pipelined,
+                turn.alone,
+            );
+            println!(
+                "{sink:<9} turn {round}: relay / min(pipelined, statements) {:.2}   relay / awaited {:.2}   CPU µs/msg: relay {} + database {}, raw awaited {}, raw pipelined {}",
+                turn.goal_ratio(),
+                turn.relay / turn.awaited,
                 micros(relay_own),
                 micros(relay_db),
-                micros(raw_own),
+                micros(per_message(awaited_cpu)),
+                micros(per_message(pipelined_cpu)),
             );
+            turns.push(turn);
         }
-        enqueue(&pool, &kind, &format!("{sink}-alone"), MESSAGES).await?;
-        let alone = outbox_alone(&pool, sink).await?;
-        let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-        let high = ratios.iter().copied().fold(0.0, f64::max);
+        let of = |f: fn(&Turn) -> f64| turns.iter().map(f).collect::<Vec<_>>();
+        let spread = |values: Vec<f64>| {
+            let low = values.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = values.iter().copied().fold(0.0, f64::max);
+            (median(values), low, high)
+        };
+        let (goal, goal_low, goal_high) = spread(of(Turn::goal_ratio));
+        let (awaited, awaited_low, awaited_high) = spread(of(|t| t.relay / t.awaited));
         println!(
-            "{sink:<9} relay/raw median {:.2} (lowest {low:.2}, highest {high:.2}, {rounds} turns)   outbox statements alone {:>7.0} rows/s",
-            median(ratios),
-            rate(MESSAGES, alone),
+            "{sink:<9} medians of {rounds} turns: relay {:.0} msg/s, raw awaited {:.0}, raw pipelined {:.0}, outbox statements alone {:.0} rows/s",
+            median(of(|t| t.relay)),
+            median(of(|t| t.awaited)),
+            median(of(|t| t.pipelined)),
+            median(of(|t| t.alone)),
+        );
+        println!(
+            "{sink:<9} relay / min(pipelined, statements) median {goal:.2} (lowest {goal_low:.2}, highest {goal_high:.2}; goal 0.8)   relay / awaited median {awaited:.2} (lowest {awaited_low:.2}, highest {awaited_high:.2})",
         );
         remove_destination(&sinks, sink, &destination).await;
     }
     scratch.drop().await?;
+    // ALMANAC_BENCH_SWEEPS=1: the re-drive and reconcile sweeps over
+    // 100,000 and 1,000,000 ready jobs (minutes).
+    if std::env::var("ALMANAC_BENCH_SWEEPS").is_ok_and(|v| v == "1") {
+        sweeps::run().await?;
+    }
     Ok(())
 }
