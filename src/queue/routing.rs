@@ -245,17 +245,36 @@ pub async fn redrive<'e>(
             SELECT destination FROM gates
             WHERE drained IS NULL OR drained > now() - $2 * interval '1 millisecond'
         ), candidates AS MATERIALIZED (
-            SELECT j.id, j.run_at FROM almanac.jobs j JOIN almanac.routes r ON r.kind = j.kind
-            WHERE j.status = 'ready' AND j.route = 'broker' AND r.mode = 'broker' AND r.sink = $1
-              AND r.destination IN (SELECT destination FROM open)
-              AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
-              AND (j.run_at, j.id) > (coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
-              AND NOT EXISTS (
-                  SELECT 1 FROM almanac.outbox o
-                  WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
-                    AND ((o.published_at IS NULL AND o.failed_at IS NULL)
-                         OR o.published_at > now() - $2 * interval '1 millisecond'))
-            ORDER BY j.run_at, j.id
+            -- Per routed kind, an ordered walk of `jobs_ready_kind_idx` from
+            -- the cursor that stops at 1,000 candidates (the range and the
+            -- equalities beside it, as in the worker's claim), then the
+            -- earliest across kinds: a step reads its own rows, not every
+            -- candidate left (one scan over the join sorted them all, and a
+            -- sweep over a million jobs took minutes per 100,000).
+            SELECT c.id, c.run_at FROM (
+                SELECT r.kind, r.sink, r.destination FROM almanac.routes r
+                WHERE r.mode = 'broker' AND r.sink = $1
+                  AND r.destination IN (SELECT destination FROM open)
+            ) AS r
+            CROSS JOIN LATERAL (
+                SELECT j.id, j.run_at FROM almanac.jobs j
+                WHERE j.status = 'ready'
+                  AND (j.kind, j.run_at, j.id)
+                      > (r.kind, coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
+                  AND (j.kind, j.run_at)
+                      <= (r.kind, coalesce($5, now() - $2 * interval '1 millisecond'))
+                  AND j.kind = r.kind
+                  AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
+                  AND j.route = 'broker'
+                  AND NOT EXISTS (
+                      SELECT 1 FROM almanac.outbox o
+                      WHERE o.job_id = j.id AND o.sink = r.sink AND o.destination = r.destination
+                        AND ((o.published_at IS NULL AND o.failed_at IS NULL)
+                             OR o.published_at > now() - $2 * interval '1 millisecond'))
+                ORDER BY j.kind, j.run_at, j.id
+                LIMIT 1000
+            ) AS c
+            ORDER BY c.run_at, c.id
             LIMIT 1000
         ), batches AS MATERIALIZED (
             -- Recent records of this sink whose span of jobs overlaps the
