@@ -108,7 +108,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             .await?;
             let plural = |n: u64| if n == 1 { "" } else { "s" };
             let mut line = format!(
-                "{kind}: {}{}; {} ready or running job{} moved to it",
+                "{kind}: {}{}; {} ready job{} moved to it",
                 change.route.mode,
                 match (&change.route.sink, &change.route.destination) {
                     (Some(s), Some(d)) if mode != RouteMode::Db => format!(" via {s} `{d}`"),
