@@ -89,7 +89,7 @@ pub async fn move_window(
         WITH w AS MATERIALIZED (
             SELECT id, run_at FROM almanac.jobs
             WHERE status = 'ready' AND kind = $1
-              AND (kind, run_at, id) > ($1, coalesce($2, '-infinity'::timestamptz), coalesce($3, 0))
+              AND (run_at, id) > (coalesce($2, '-infinity'::timestamptz), coalesce($3, 0))
               AND ($5::bigint[] IS NULL OR id = ANY($5))
             ORDER BY kind, run_at, id
             LIMIT $4
@@ -246,8 +246,10 @@ pub async fn redrive<'e>(
             WHERE drained IS NULL OR drained > now() - $2 * interval '1 millisecond'
         ), candidates AS MATERIALIZED (
             -- Per routed kind, an ordered walk of `jobs_ready_kind_idx` from
-            -- the cursor that stops at 1,000 candidates (the range and the
-            -- equalities beside it, as in the worker's claim), then the
+            -- the cursor that stops at 1,000 candidates (the kind's equality
+            -- and `(run_at, id)` past the cursor: a row comparison over the
+            -- whole key beside the equality started the scan at the kind's
+            -- first entry, reading every entry before the cursor), then the
             -- earliest across kinds: a step reads its own rows, not every
             -- candidate left (one scan over the join sorted them all, and a
             -- sweep over a million jobs took minutes per 100,000).
@@ -258,12 +260,9 @@ pub async fn redrive<'e>(
             ) AS r
             CROSS JOIN LATERAL (
                 SELECT j.id, j.run_at FROM almanac.jobs j
-                WHERE j.status = 'ready'
-                  AND (j.kind, j.run_at, j.id)
-                      > (r.kind, coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
-                  AND (j.kind, j.run_at)
-                      <= (r.kind, coalesce($5, now() - $2 * interval '1 millisecond'))
-                  AND j.kind = r.kind
+                WHERE j.status = 'ready' AND j.kind = r.kind
+                  AND (j.run_at, j.id)
+                      > (coalesce($3, '-infinity'::timestamptz), coalesce($4, 0))
                   AND j.run_at <= coalesce($5, now() - $2 * interval '1 millisecond')
                   AND j.route = 'broker'
                   AND NOT EXISTS (
