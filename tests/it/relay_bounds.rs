@@ -103,21 +103,8 @@ async fn metric(http: &str, name: &str) -> Option<f64> {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_rabbitmq_alarm_blocks_the_relay_without_hanging_it(pool: PgPool) {
     brokers::rabbitmq_alone();
-    let queue_name = unique("alarm");
-    Publisher::new(SinkKind::Rabbitmq, &brokers::sinks())
-        .unwrap()
-        .ensure(&queue_name)
-        .await
-        .unwrap();
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "alarm",
-        RouteMode::Broker,
-        Some(SinkKind::Rabbitmq),
-        Some(&queue_name),
-    )
-    .await
-    .unwrap();
+    let queue_name =
+        brokers::route_to_fresh(&pool, "alarm", RouteMode::Broker, SinkKind::Rabbitmq).await;
     // A job of a kind not routed yet, so its route will disagree with
     // the one inserted below, which `route set` would have moved with it.
     queue::enqueue(

@@ -9,8 +9,8 @@ use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use almanac::relay::routes::{self, RouteMode};
-use almanac::relay::{payload_bound, Publisher, SinkKind, DEFAULT_BATCH_BYTES};
+use almanac::relay::routes::RouteMode;
+use almanac::relay::{payload_bound, SinkKind, DEFAULT_BATCH_BYTES};
 use futures::StreamExt;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
@@ -104,21 +104,8 @@ fn peak_rss(child: &Child) -> u64 {
 /// is delivered, the oversized ones are marked failed with a reason a
 /// person reads and their jobs are dead.
 async fn drains_large_messages_within_a_memory_bound(pool: PgPool, good: i64, bound: u64) {
-    let queue_name = unique("large");
-    Publisher::new(SinkKind::Rabbitmq, &brokers::sinks())
-        .unwrap()
-        .ensure(&queue_name)
-        .await
-        .unwrap();
-    routes::set(
-        &mut pool.acquire().await.unwrap(),
-        "large",
-        RouteMode::Broker,
-        Some(SinkKind::Rabbitmq),
-        Some(&queue_name),
-    )
-    .await
-    .unwrap();
+    let queue_name =
+        brokers::route_to_fresh(&pool, "large", RouteMode::Broker, SinkKind::Rabbitmq).await;
     let (delivered, counter) = count_deliveries(&queue_name).await;
     // Built in the database, a few hundred at a time (one statement each).
     let jobs = [

@@ -144,6 +144,30 @@ pub fn unique(name: &str) -> String {
     format!("almanac-test-{name}-{}-{nanos}", std::process::id())
 }
 
+/// Routes `kind` to a fresh destination on `sink` (`unique(kind)`), made
+/// to exist first; returns its name.
+pub async fn route_to_fresh(
+    pool: &sqlx::PgPool,
+    kind: &str,
+    mode: almanac::relay::routes::RouteMode,
+    sink: SinkKind,
+) -> String {
+    let destination = unique(kind);
+    let mut publisher = almanac::relay::Publisher::new(sink, &sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    almanac::relay::routes::set(
+        &mut pool.acquire().await.unwrap(),
+        kind,
+        mode,
+        Some(sink),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    destination
+}
+
 pub fn sinks() -> SinkConfig {
     SinkConfig {
         kafka_brokers: Some(kafka_brokers()),
