@@ -213,12 +213,14 @@ CREATE TABLE almanac.jobs (
     route text DEFAULT 'db'::text NOT NULL,
     schedule text,
     logical_run text,
+    cancel_requested_at timestamp with time zone,
+    cancelled_by text,
+    cancel_reason text,
     CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
     CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
-    CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text]))),
-    CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text])))
+    CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text])))
 );
 
 
@@ -253,6 +255,38 @@ END $$;
 
 
 --
+-- Name: audit_log; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.audit_log (
+    id bigint NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    actor text NOT NULL,
+    source text NOT NULL,
+    action text NOT NULL,
+    target text NOT NULL,
+    count bigint NOT NULL,
+    note text,
+    CONSTRAINT audit_log_count_check CHECK ((count >= 0)),
+    CONSTRAINT audit_log_source_check CHECK ((source = ANY (ARRAY['cli'::text, 'dashboard'::text, 'api'::text])))
+);
+
+
+--
+-- Name: audit_log_id_seq; Type: SEQUENCE; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.audit_log ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME almanac.audit_log_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+
+--
 -- Name: consumer_marks; Type: TABLE; Schema: almanac; Owner: -
 --
 
@@ -276,6 +310,19 @@ ALTER TABLE almanac.jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+
+
+--
+-- Name: kind_pauses; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.kind_pauses (
+    kind text NOT NULL,
+    paused_at timestamp with time zone DEFAULT now() NOT NULL,
+    paused_by text NOT NULL,
+    note text,
+    CONSTRAINT kind_pauses_kind_check CHECK ((kind <> ''::text))
 );
 
 
@@ -421,6 +468,14 @@ CREATE TABLE almanac.schedules (
 
 
 --
+-- Name: audit_log audit_log_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.audit_log
+    ADD CONSTRAINT audit_log_pkey PRIMARY KEY (id);
+
+
+--
 -- Name: consumer_marks consumer_marks_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
 --
 
@@ -442,6 +497,22 @@ ALTER TABLE ONLY almanac.jobs
 
 ALTER TABLE ONLY almanac.jobs
     ADD CONSTRAINT jobs_pkey PRIMARY KEY (id);
+
+
+--
+-- Name: jobs jobs_status_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.jobs
+    ADD CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text, 'cancelled'::text]))) NOT VALID;
+
+
+--
+-- Name: kind_pauses kind_pauses_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.kind_pauses
+    ADD CONSTRAINT kind_pauses_pkey PRIMARY KEY (kind);
 
 
 --
@@ -514,6 +585,13 @@ ALTER TABLE almanac.schedule_runs
 
 ALTER TABLE ONLY almanac.schedules
     ADD CONSTRAINT schedules_pkey PRIMARY KEY (name);
+
+
+--
+-- Name: jobs_cancelled_finished_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_cancelled_finished_idx ON almanac.jobs USING btree (finished_at) WHERE (status = 'cancelled'::text);
 
 
 --

@@ -32,6 +32,9 @@
 //! - [`role`]: the one contract every background role keeps (typed name,
 //!   validated config, `run(self, shutdown)`, `run_once` where periodic).
 //! - [`supervisor`]: runs background roles under one cancellation token.
+//! - [`control`]: the operator's levers (pause and resume kinds, cancel,
+//!   retry, bulk actions), each acting and writing its audit row in one
+//!   transaction, the same code behind the CLI, the dashboard and the API.
 //! - [`ui`]: the web dashboard `almanac run` serves (read-only unless
 //!   `--ui-actions`).
 
@@ -39,6 +42,7 @@ pub mod broker;
 pub mod cli;
 pub mod config;
 pub mod consumer;
+pub mod control;
 pub mod db;
 pub mod http;
 pub mod maintenance;

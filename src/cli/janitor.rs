@@ -31,11 +31,13 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "deleted {} done job{}, {} dead job{} and {} published outbox row{} ({} batch{})",
+            "deleted {} done job{}, {} dead job{}, {} cancelled job{} and {} published outbox row{} ({} batch{})",
             report.done,
             plural(report.done),
             report.dead,
             plural(report.dead),
+            report.cancelled,
+            plural(report.cancelled),
             report.outbox,
             plural(report.outbox),
             report.batches,

@@ -1,9 +1,12 @@
-//! `almanac jobs list|show|retry|cancel`
+//! `almanac jobs list|show|retry|cancel|delete`
 
 use clap::Subcommand;
 
+use super::bulk::BulkArgs;
 use super::Ctx;
-use crate::queue::{self, Job, JobFilter, JobStatus};
+use crate::control::bulk::Bulk;
+use crate::control::{self, Actor};
+use crate::queue::{self, Cancel, Job, JobFilter, JobStatus};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -31,10 +34,37 @@ enum JobsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Give a dead job a fresh set of attempts.
-    Retry { id: i64 },
-    /// Bury a ready job before it runs.
-    Cancel { id: i64 },
+    /// Give a dead or cancelled job (or every one matching the filters) a
+    /// fresh set of attempts.
+    Retry {
+        id: Option<i64>,
+        #[command(flatten)]
+        bulk: BulkArgs,
+    },
+    /// Cancel a job (or every one matching the filters): a ready one at
+    /// once, a running one on its worker (the handler is stopped); it ends
+    /// `cancelled`.
+    Cancel {
+        id: Option<i64>,
+        /// Why, kept on the job and in the audit log.
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        bulk: BulkArgs,
+    },
+    /// Delete every finished (done, dead, cancelled) job matching the filters.
+    Delete {
+        #[command(flatten)]
+        bulk: BulkArgs,
+    },
+}
+
+/// The one job named, or `None` for a bulk action; both is refused.
+fn one_or_bulk(id: Option<i64>, bulk: &BulkArgs, verb: &str) -> anyhow::Result<Option<i64>> {
+    if id.is_some() && bulk.is_given() {
+        anyhow::bail!("jobs {verb} takes a job id or filters (--kind, --status, --error-like, --older-than), not both");
+    }
+    Ok(id)
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
@@ -71,19 +101,39 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 print_job(&job);
             }
         }
-        JobsCommand::Retry { id } => {
-            let job = queue::retry(&mut *pool.acquire().await?, id).await?;
+        JobsCommand::Retry { id, bulk } => {
+            let Some(id) = one_or_bulk(id, &bulk, "retry")? else {
+                return super::bulk::run(&pool, Bulk::Retry, &bulk, None).await;
+            };
+            let actor = Actor::os_user();
+            let job = control::jobs::retry(&mut *pool.acquire().await?, &actor, id).await?;
             println!(
                 "job {} ({}) is ready again with {} attempts",
                 job.id, job.kind, job.max_attempts
             );
         }
-        JobsCommand::Cancel { id } => {
-            let job = queue::cancel(&mut *pool.acquire().await?, id).await?;
-            println!(
-                "job {} ({}) cancelled; it is dead and will not run",
-                job.id, job.kind
-            );
+        JobsCommand::Cancel { id, reason, bulk } => {
+            let Some(id) = one_or_bulk(id, &bulk, "cancel")? else {
+                return super::bulk::run(&pool, Bulk::Cancel, &bulk, reason.as_deref()).await;
+            };
+            let actor = Actor::os_user();
+            let conn = &mut *pool.acquire().await?;
+            match control::jobs::cancel(conn, &actor, id, reason.as_deref()).await? {
+                Cancel::Cancelled(job) => {
+                    println!("job {} ({}) cancelled before it ran", job.id, job.kind)
+                }
+                Cancel::Requested(job) => println!(
+                    "job {} ({}) is running: its worker was asked to stop it; it ends cancelled",
+                    job.id, job.kind
+                ),
+                Cancel::Finished(job) => println!(
+                    "job {} ({}) is already {}: nothing changed",
+                    job.id, job.kind, job.status
+                ),
+            }
+        }
+        JobsCommand::Delete { bulk } => {
+            super::bulk::run(&pool, Bulk::Delete, &bulk, None).await?;
         }
     }
     Ok(())

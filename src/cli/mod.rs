@@ -4,12 +4,14 @@
 
 mod backfill;
 mod bench;
+mod bulk;
 mod consume;
 #[cfg(test)]
 mod doc_samples;
 mod enqueue;
 mod janitor;
 mod jobs;
+mod kinds;
 mod migrate;
 mod ops;
 mod route;
@@ -60,6 +62,8 @@ enum Command {
     Enqueue(enqueue::Args),
     /// List, inspect, retry or cancel jobs.
     Jobs(jobs::Args),
+    /// Pause or resume job kinds on every worker and consumer.
+    Kinds(kinds::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
     Stats(stats::Args),
     /// Run the service roles (scheduler, reaper, janitor, metrics, relay) until SIGINT/SIGTERM.
@@ -180,6 +184,7 @@ pub async fn main() -> ExitCode {
         Command::Migrate(args) => migrate::run(&ctx, args).await,
         Command::Enqueue(args) => enqueue::run(&ctx, args).await,
         Command::Jobs(args) => jobs::run(&ctx, args).await,
+        Command::Kinds(args) => kinds::run(&ctx, args).await,
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,
         Command::Janitor(args) => janitor::run(&ctx, args).await,

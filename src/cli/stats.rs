@@ -48,6 +48,18 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     println!("expired leases:         {}", s.jobs.expired_leases);
     println!("dead jobs:              {}", s.jobs.dead);
+    println!("cancelled jobs:         {}", s.jobs.cancelled);
+    for p in &s.paused {
+        println!(
+            "paused {:<15} since {} by {}{}",
+            format!("{}:", p.kind),
+            p.paused_at.format("%Y-%m-%dT%H:%M:%SZ"),
+            p.paused_by,
+            p.note
+                .as_deref()
+                .map_or(String::new(), |note| format!(": {note}"))
+        );
+    }
     for sink in &s.outbox {
         println!(
             "outbox {:<15} {} unpublished ({} in flight), oldest {:.1}s, {} failed for good",

@@ -188,8 +188,13 @@ async fn session(
         });
         // Runs to its outcome even after `shutdown`: the executor's own
         // shutdown bounds it by the deadline.
-        match consumer.handle_until_done(executor, job_id, shutdown).await {
-            None => return None,
+        // A paused kind's message is held for as long as the pause lasts:
+        // nothing past it may be committed.
+        match consumer
+            .handle_until_done(executor, job_id, shutdown, None)
+            .await
+        {
+            None | Some(Handled::Paused(_)) => return None,
             Some(Handled::OtherKind(kind)) => return Some(kind),
             Some(_) => {}
         }

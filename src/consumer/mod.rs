@@ -26,6 +26,15 @@
 //! members. On Kafka, every consumer of a group should run every kind routed
 //! to its topic; a consumer that does not is told so at start.
 //!
+//! **A paused kind's messages are held, never acknowledged.** Its claim
+//! says so ([`queue::ClaimById::Paused`]); the consumer keeps the message
+//! and looks every [`PAUSE_POLL`] whether the kind was resumed, then claims
+//! it again. A Kafka consumer holds it for as long as the pause lasts
+//! (nothing past it is committed; past `max.poll.interval.ms` the group
+//! rebalances and the message comes again, to be held again); a RabbitMQ
+//! consumer passes it to the tail of its queue after ten minutes, before the
+//! broker's delivery timeout would close its channel.
+//!
 //! **Claims end on the server.** A claim that gets no answer within
 //! `lease / 3` of being sent is given up (the message is not acked); its
 //! connection (a pool of its own, see [`crate::db::bounded_pool`], waited for
@@ -68,7 +77,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::broker::{SinkConfig, SinkError, SinkKind};
 use crate::metrics::Metrics;
@@ -158,6 +167,9 @@ enum ClaimError {
     Db(#[from] QueueError),
     #[error("no answer from the database within {0:?}")]
     TimedOut(std::time::Duration),
+    /// The job's kind is paused: hold the message until it is resumed.
+    #[error("kind {0} is paused")]
+    Paused(String),
 }
 
 /// What became of one message.
@@ -168,6 +180,9 @@ pub enum Handled {
     /// Its job is of a kind this consumer has no handler for: give the
     /// message back, never acknowledge it.
     OtherKind(String),
+    /// Its job's kind stayed paused for as long as the caller may hold a
+    /// message: give the message back, never acknowledge it.
+    Paused(String),
 }
 
 impl Consumer {
@@ -256,6 +271,7 @@ impl Consumer {
                 self.other_kind(&kind, id);
                 return Ok(Some(Handled::OtherKind(kind)));
             }
+            ClaimById::Paused(kind) => return Err(ClaimError::Paused(kind)),
         };
         let handler = self.handlers[&job.kind].clone();
         self.counters.executed.fetch_add(1, Ordering::Relaxed);
@@ -317,12 +333,15 @@ impl Consumer {
     }
 
     /// Handles a message until it is handled or shutdown comes; `None` on
-    /// shutdown or when the outcome is unknown (do not ack).
+    /// shutdown or when the outcome is unknown (do not ack). A message of a
+    /// paused kind is held until the kind is resumed, then claimed again;
+    /// after `hold` (if any) of pause it comes back as [`Handled::Paused`].
     async fn handle_until_done(
         &self,
         executor: &Executor,
         job_id: Option<i64>,
         shutdown: &CancellationToken,
+        hold: Option<Duration>,
     ) -> Option<Handled> {
         let mut retry = Retry::new(
             std::time::Duration::from_millis(200),
@@ -331,12 +350,67 @@ impl Consumer {
         loop {
             match self.handle(executor, job_id).await {
                 Ok(handled) => return handled,
+                Err(ClaimError::Paused(kind)) => {
+                    match self.hold_while_paused(&kind, job_id, shutdown, hold).await {
+                        Held::Resumed => continue,
+                        Held::Shutdown => return None,
+                        Held::TooLong => return Some(Handled::Paused(kind)),
+                    }
+                }
                 Err(err) => {
                     warn!(%err, job_id, "cannot handle the message; retrying it (not acked)");
                     if !retry.pause(shutdown).await {
                         return None;
                     }
                 }
+            }
+        }
+    }
+}
+
+/// How [`Consumer::hold_while_paused`] ended.
+enum Held {
+    Resumed,
+    Shutdown,
+    TooLong,
+}
+
+/// How often a consumer holding a paused kind's message looks whether the
+/// kind was resumed: a resume reaches held messages within this.
+pub const PAUSE_POLL: Duration = Duration::from_millis(250);
+
+impl Consumer {
+    /// Waits while `kind` is paused (a primary-key read every
+    /// [`PAUSE_POLL`]; a failed read counts as still paused).
+    async fn hold_while_paused(
+        &self,
+        kind: &str,
+        job_id: Option<i64>,
+        shutdown: &CancellationToken,
+        hold: Option<Duration>,
+    ) -> Held {
+        info!(
+            kind,
+            job_id,
+            destination = %self.config.destination,
+            "the job's kind is paused; holding its message (unacknowledged) until it is resumed"
+        );
+        let until = hold.map(|hold| Instant::now() + hold);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Held::Shutdown,
+                _ = tokio::time::sleep(PAUSE_POLL) => {}
+            }
+            let paused = tokio::time::timeout(
+                self.config.worker.lease / 3,
+                crate::control::pause::is_paused(&self.claims, kind),
+            )
+            .await;
+            if let Ok(Ok(false)) = paused {
+                return Held::Resumed;
+            }
+            if until.is_some_and(|until| Instant::now() >= until) {
+                return Held::TooLong;
             }
         }
     }

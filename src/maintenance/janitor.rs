@@ -1,4 +1,5 @@
-//! The janitor: deletes `done` jobs, `dead` jobs and the records of
+//! The janitor: deletes `done` jobs, `dead` and `cancelled` jobs (both kept
+//! for `dead_retention`) and the records of
 //! published outbox rows (published batches, and rows published row by
 //! row by pre-release builds) past their retention, so the tables stop growing forever.
 //!
@@ -27,7 +28,7 @@ pub struct JanitorConfig {
     pub interval: Duration,
     /// `done` jobs finished longer ago than this are deleted.
     pub done_retention: Duration,
-    /// `dead` jobs finished longer ago than this are deleted.
+    /// `dead` and `cancelled` jobs finished longer ago than this are deleted.
     pub dead_retention: Duration,
     /// Outbox rows published longer ago than this are deleted.
     pub outbox_retention: Duration,
@@ -65,6 +66,7 @@ impl Settings for JanitorConfig {
 pub struct JanitorReport {
     pub done: u64,
     pub dead: u64,
+    pub cancelled: u64,
     pub outbox: u64,
     /// Delete statements run.
     pub batches: u64,
@@ -144,6 +146,7 @@ impl Periodic for Janitor {
         for target in [
             Target::Jobs(JobStatus::Done, "done"),
             Target::Jobs(JobStatus::Dead, "dead"),
+            Target::Jobs(JobStatus::Cancelled, "cancelled"),
             Target::Outbox,
         ] {
             loop {
@@ -154,6 +157,7 @@ impl Periodic for Janitor {
                 report.batches += 1;
                 match target {
                     Target::Jobs(JobStatus::Done, _) => report.done += deleted,
+                    Target::Jobs(JobStatus::Cancelled, _) => report.cancelled += deleted,
                     Target::Jobs(_, _) => report.dead += deleted,
                     Target::Outbox => report.outbox += deleted,
                 }
@@ -170,10 +174,11 @@ impl Periodic for Janitor {
     }
 
     fn log(&self, r: &JanitorReport) {
-        if r.done + r.dead + r.outbox > 0 {
+        if r.done + r.dead + r.cancelled + r.outbox > 0 {
             info!(
                 done = r.done,
                 dead = r.dead,
+                cancelled = r.cancelled,
                 outbox = r.outbox,
                 "janitor deleted rows past retention"
             );

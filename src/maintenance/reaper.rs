@@ -79,20 +79,21 @@ impl Periodic for Reaper {
             let batch = queue::reap_expired(&self.pool, self.config.batch_size).await?;
             total.requeued += batch.requeued;
             total.buried += batch.buried;
-            self.metrics.record_reaped(batch.requeued + batch.buried);
-            if ((batch.requeued + batch.buried) as i64) < self.config.batch_size
-                || shutdown.is_cancelled()
-            {
+            total.cancelled += batch.cancelled;
+            let reaped = batch.requeued + batch.buried + batch.cancelled;
+            self.metrics.record_reaped(reaped);
+            if (reaped as i64) < self.config.batch_size || shutdown.is_cancelled() {
                 return Ok(total);
             }
         }
     }
 
     fn log(&self, r: &ReapReport) {
-        if r.requeued + r.buried > 0 {
+        if r.requeued + r.buried + r.cancelled > 0 {
             info!(
                 requeued = r.requeued,
                 buried = r.buried,
+                cancelled = r.cancelled,
                 "reaped expired leases"
             );
         }

@@ -112,6 +112,8 @@ pub struct Metrics {
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
     pub route_unserved: Gauges<KindSinkLabel>,
+    /// 1 while a kind (or `*`) is paused; from the database.
+    pub kind_paused: Gauges<KindLabel>,
     pub relay_notifications: Family<SinkLabel, Counter>,
     pub relay_blocked: Family<SinkLabel, Gauge>,
 }
@@ -301,6 +303,12 @@ impl Metrics {
             "1 while a kind is routed (dual or broker) to a sink no relay serves (its outbox rows wait), else 0; from the database",
             route_unserved.clone(),
         );
+        let kind_paused = Gauges::<KindLabel>::default();
+        registry.register(
+            "kind_paused",
+            "1 while a kind is paused (almanac kinds pause; kind=\"*\" pauses every kind), else 0; from the database",
+            kind_paused.clone(),
+        );
         let relay_notifications = Family::<SinkLabel, Counter>::default();
         registry.register(
             "relay_notifications",
@@ -343,6 +351,7 @@ impl Metrics {
             schedule_runs,
             consumer_other_kind,
             route_unserved,
+            kind_paused,
             relay_notifications,
             relay_blocked,
         }

@@ -37,7 +37,7 @@ pub async fn list<'e>(db: impl PgExecutor<'e>, filter: &JobFilter) -> Result<Vec
     .await?)
 }
 
-/// Gives a dead job a fresh set of attempts, due now. `last_error` is kept
+/// Gives a dead or cancelled job a fresh set of attempts, due now. `last_error` is kept
 /// until the next attempt overwrites it.
 ///
 /// A job of a scheduled run is revived only while the run's ledger row
@@ -47,6 +47,7 @@ pub async fn list<'e>(db: impl PgExecutor<'e>, filter: &JobFilter) -> Result<Vec
 /// refused with [`QueueError::Superseded`].
 pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
     let mut tx = conn.begin().await?;
+    // (`crate::control::jobs::retry` is this plus its audit row.)
     match retry_in(&mut tx, id).await {
         Ok(job) => {
             tx.commit().await?;
@@ -61,7 +62,7 @@ pub async fn retry(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> 
     }
 }
 
-async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
+pub async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
     // The job row first, then its ledger row: the janitor's delete of a job
     // locks them in that order too (its `ON DELETE SET NULL`), so the two
     // never deadlock.
@@ -94,11 +95,12 @@ async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
     let job = transition(
         &mut *tx,
         id,
-        JobStatus::Dead,
+        "dead or cancelled",
         "retry",
         "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
-             route = almanac.route_of(kind) \
-         WHERE id = $1 AND status = 'dead' RETURNING *",
+             route = almanac.route_of(kind), \
+             cancel_requested_at = NULL, cancelled_by = NULL, cancel_reason = NULL \
+         WHERE id = $1 AND status IN ('dead', 'cancelled') RETURNING *",
     )
     .await?;
     sqlx::query("SELECT pg_notify($1, $2)")
@@ -109,24 +111,70 @@ async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
     Ok(job)
 }
 
-/// Buries a job that has not started: `dead` with `last_error` saying so.
-pub async fn cancel(conn: &mut PgConnection, id: i64) -> Result<Job, QueueError> {
-    transition(
-        conn,
-        id,
-        JobStatus::Ready,
-        "cancel",
-        "UPDATE almanac.jobs SET status = 'dead', finished_at = now(), \
-         last_error = 'cancelled by an operator before it ran' \
-         WHERE id = $1 AND status = 'ready' RETURNING *",
+/// Running jobs' holders `LISTEN` here; a cancel request of a running job
+/// `NOTIFY`s its id, so the process holding it stops the handler at once
+/// (its heartbeat finds the request too, should the notification be lost).
+pub const CANCEL_CHANNEL: &str = "almanac_cancel";
+
+/// What [`cancel_in`] did.
+#[derive(Debug, Clone)]
+pub enum Cancel {
+    /// The job had not started: it is `cancelled` now.
+    Cancelled(Job),
+    /// The job is running: the request is recorded, and the process holding
+    /// its lease stops the handler and records `cancelled` (or the reaper
+    /// does, once the lease runs out). It may still end `done`, should the
+    /// handler finish first.
+    Requested(Job),
+    /// The job had finished (`done`, `dead` or `cancelled`): nothing changed.
+    Finished(Job),
+}
+
+/// Cancels job `id` inside the caller's transaction (see [`Cancel`]); `by`
+/// and `reason` are kept on the job. A second request on a running job
+/// keeps the first one's time.
+pub async fn cancel_in(
+    tx: &mut PgConnection,
+    id: i64,
+    by: &str,
+    reason: Option<&str>,
+) -> Result<Cancel, QueueError> {
+    let reason = reason.map(super::storable);
+    let changed: Option<Job> = sqlx::query_as(
+        r#"
+        UPDATE almanac.jobs
+        SET status = CASE WHEN status = 'ready' THEN 'cancelled' ELSE status END,
+            finished_at = CASE WHEN status = 'ready' THEN clock_timestamp() ELSE finished_at END,
+            cancel_requested_at = coalesce(cancel_requested_at, clock_timestamp()),
+            cancelled_by = $2,
+            cancel_reason = $3
+        WHERE id = $1 AND status IN ('ready', 'running')
+        RETURNING *
+        "#,
     )
-    .await
+    .bind(id)
+    .bind(by)
+    .bind(reason.as_deref())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(job) = changed else {
+        return Ok(Cancel::Finished(get(&mut *tx, id).await?));
+    };
+    if job.status == JobStatus::Running {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(CANCEL_CHANNEL)
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        return Ok(Cancel::Requested(job));
+    }
+    Ok(Cancel::Cancelled(job))
 }
 
 async fn transition(
     conn: &mut PgConnection,
     id: i64,
-    expected: JobStatus,
+    expected: &'static str,
     action: &'static str,
     sql: &'static str,
 ) -> Result<Job, QueueError> {
@@ -142,7 +190,7 @@ async fn transition(
         id,
         status: current.status,
         action,
-        expected: expected.as_str(),
+        expected,
     })
 }
 
@@ -163,11 +211,11 @@ pub struct KindAge {
 /// The queue at a glance; `almanac stats` and the metrics collector read it.
 ///
 /// Cheap on a table of millions of finished jobs: every count walks a partial
-/// index of unfinished (`ready`, `running`) or `dead` rows, never `done` ones;
+/// index of unfinished (`ready`, `running`), `dead` or `cancelled` rows, never `done` ones;
 /// `done` is PostgreSQL's row estimate minus the rest.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
-    /// Ready, running and dead jobs per kind (kinds with none are absent).
+    /// Ready, running, dead and cancelled jobs per kind (kinds with none are absent).
     pub by_kind_status: Vec<KindStatusCount>,
     /// Per kind with due ready jobs: how long the oldest has waited.
     pub oldest_due_ready: Vec<KindAge>,
@@ -176,6 +224,8 @@ pub struct Stats {
     /// Running jobs whose lease has expired and that the reaper has not taken back yet.
     pub expired_leases: i64,
     pub dead: i64,
+    /// Stopped by an operator (kept as long as dead jobs).
+    pub cancelled: i64,
     /// An estimate (planner statistics): exact counts of done jobs cost a full scan.
     pub done_estimate: i64,
 }
@@ -191,6 +241,9 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         UNION ALL
         SELECT kind, status, count(*) FROM almanac.jobs
          WHERE status = 'dead' GROUP BY kind, status
+        UNION ALL
+        SELECT kind, status, count(*) FROM almanac.jobs
+         WHERE status = 'cancelled' GROUP BY kind, status
         ORDER BY kind, status
         "#,
     )
@@ -220,6 +273,11 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         .filter(|c| c.status == JobStatus::Dead)
         .map(|c| c.count)
         .sum();
+    let cancelled = by_kind_status
+        .iter()
+        .filter(|c| c.status == JobStatus::Cancelled)
+        .map(|c| c.count)
+        .sum();
     let unfinished: i64 = by_kind_status.iter().map(|c| c.count).sum();
     Ok(Stats {
         oldest_due_ready_seconds: oldest_due_ready
@@ -230,6 +288,7 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         oldest_due_ready,
         expired_leases: expired,
         dead,
+        cancelled,
         done_estimate: (estimate as i64 - unfinished).max(0),
     })
 }

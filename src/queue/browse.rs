@@ -45,7 +45,9 @@ pub struct JobPage {
     pub next_before: Option<i64>,
 }
 
-fn escape_like(text: &str) -> String {
+/// `text` as an `ILIKE` pattern matching it anywhere, its `%`, `_` and `\\`
+/// taken literally.
+pub fn like_pattern(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
     out.push('%');
     for c in text.chars() {
@@ -90,7 +92,7 @@ pub fn page_query(
     }
     if let Some(text) = &q.payload_text {
         b.push(" AND payload::text ILIKE ")
-            .push_bind(escape_like(text));
+            .push_bind(like_pattern(text));
     }
     b.push(" ORDER BY id DESC LIMIT ")
         .push_bind(q.limit.clamp(1, 500) + 1);
@@ -253,46 +255,58 @@ pub async fn retry_dead_matching(
         // As in [`super::retry`]: the job rows, then the ledger rows of the
         // scheduled ones are locked (the janitor's order), and an earlier job
         // of a reprocessed run (the ledger points elsewhere) is left dead.
-        sqlx::query(
-            "SELECT 1 FROM almanac.jobs WHERE id = ANY($1) AND status = 'dead' ORDER BY id FOR UPDATE",
-        )
-            .bind(chunk)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "SELECT 1 FROM almanac.schedule_runs r \
-             WHERE (r.schedule, r.logical_run) IN \
-                   (SELECT schedule, logical_run FROM almanac.jobs \
-                     WHERE id = ANY($1) AND schedule IS NOT NULL AND logical_run IS NOT NULL) \
-             ORDER BY r.schedule, r.fire_at FOR SHARE OF r",
-        )
-        .bind(chunk)
-        .execute(&mut *tx)
-        .await?;
-        let mut kinds: Vec<String> = sqlx::query_scalar(
-            "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
-                 route = almanac.route_of(j.kind) \
-             WHERE id = ANY($1) AND status = 'dead' \
-               AND NOT EXISTS (SELECT 1 FROM almanac.schedule_runs r \
-                                WHERE r.schedule = j.schedule AND r.logical_run = j.logical_run \
-                                  AND r.job_id IS DISTINCT FROM j.id) \
-             RETURNING kind",
+        let locked: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM almanac.jobs WHERE id = ANY($1) AND status = 'dead' ORDER BY id FOR UPDATE",
         )
         .bind(chunk)
         .fetch_all(&mut *tx)
         .await?;
-        retried += kinds.len() as u64;
-        // Workers of these kinds wake now rather than at their next poll.
-        kinds.sort();
-        kinds.dedup();
-        for kind in &kinds {
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(NOTIFY_CHANNEL)
-                .bind(kind)
-                .execute(&mut *tx)
-                .await?;
-        }
+        retried += retry_locked(&mut tx, &locked).await?;
         tx.commit().await?;
+    }
+    Ok(retried)
+}
+
+/// Gives the dead or cancelled jobs among `ids`, whose rows the caller's
+/// transaction has locked, a fresh set of attempts, due now (the
+/// transition of [`super::retry`]), and wakes their kinds' workers at
+/// commit. The ledger rows of scheduled ones are locked after the job rows
+/// (the janitor's order), and an earlier job of a reprocessed run (the
+/// ledger points elsewhere) is left as it is. Returns how many were retried.
+pub async fn retry_locked(tx: &mut PgConnection, ids: &[i64]) -> Result<u64, QueueError> {
+    sqlx::query(
+        "SELECT 1 FROM almanac.schedule_runs r \
+         WHERE (r.schedule, r.logical_run) IN \
+               (SELECT schedule, logical_run FROM almanac.jobs \
+                 WHERE id = ANY($1) AND schedule IS NOT NULL AND logical_run IS NOT NULL) \
+         ORDER BY r.schedule, r.fire_at FOR SHARE OF r",
+    )
+    .bind(ids)
+    .execute(&mut *tx)
+    .await?;
+    let mut kinds: Vec<String> = sqlx::query_scalar(
+        "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
+             route = almanac.route_of(j.kind), \
+             cancel_requested_at = NULL, cancelled_by = NULL, cancel_reason = NULL \
+         WHERE id = ANY($1) AND status IN ('dead', 'cancelled') \
+           AND NOT EXISTS (SELECT 1 FROM almanac.schedule_runs r \
+                            WHERE r.schedule = j.schedule AND r.logical_run = j.logical_run \
+                              AND r.job_id IS DISTINCT FROM j.id) \
+         RETURNING kind",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let retried = kinds.len() as u64;
+    // Workers of these kinds wake now rather than at their next poll.
+    kinds.sort();
+    kinds.dedup();
+    for kind in &kinds {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(NOTIFY_CHANNEL)
+            .bind(kind)
+            .execute(&mut *tx)
+            .await?;
     }
     Ok(retried)
 }
@@ -331,7 +345,7 @@ mod tests {
 
     #[test]
     fn like_patterns_match_text_literally() {
-        assert_eq!(escape_like("50%_off\\"), "%50\\%\\_off\\\\%");
+        assert_eq!(like_pattern("50%_off\\"), "%50\\%\\_off\\\\%");
     }
 
     #[test]

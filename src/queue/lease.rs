@@ -45,6 +45,8 @@ fn millis(d: Duration) -> i64 {
 ///   limit; then the earliest across kinds. (One scan with `kind = ANY($1)`
 ///   would sort every ready row of those kinds.) Rows locked but not picked
 ///   are released when this one-statement transaction commits.
+/// - Paused kinds ([`crate::control::pause`]) are not walked: two
+///   primary-key probes of `almanac.kind_pauses` per kind.
 /// - Kinds routed to the broker are not walked. A job still on the broker
 ///   route of a kind that is not (only between a route change and the
 ///   reconcile sweep after an enqueue under an older snapshot) is passed
@@ -72,6 +74,7 @@ WITH picked AS (
     SELECT c.id FROM (
         SELECT u.kind FROM unnest($1::text[]) AS u(kind)
         WHERE NOT EXISTS (SELECT 1 FROM almanac.routes r WHERE r.kind = u.kind AND r.mode = 'broker')
+          AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (u.kind, '*'))
     ) AS k
     CROSS JOIN LATERAL (
         SELECT id, run_at FROM almanac.jobs
@@ -128,6 +131,9 @@ pub enum ClaimById {
     /// consumer runs: the message must not be acknowledged (another
     /// consumer, or this one's operator, has to act).
     OtherKind(String),
+    /// The job is due and of a kind this consumer runs, but the kind is
+    /// paused: hold the message, unacknowledged, until it is resumed.
+    Paused(String),
     /// Someone else claimed it first, it finished, it is not due, or it left
     /// the broker route: the message is done with (acked and skipped).
     Skip,
@@ -135,8 +141,9 @@ pub enum ClaimById {
 
 /// Claims one job by id for a broker consumer, through the same fence as
 /// [`claim`]: only a due `ready` job of a handled kind on a `dual` or
-/// `broker` route. A job that would be claimable but for its kind is told
-/// apart ([`ClaimById::OtherKind`]), never skipped.
+/// `broker` route, of a kind not paused. A job that would be claimable but
+/// for its kind, or for a pause, is told apart ([`ClaimById::OtherKind`],
+/// [`ClaimById::Paused`]), never skipped.
 pub async fn claim_by_id(
     db: &mut PgConnection,
     id: i64,
@@ -152,6 +159,7 @@ pub async fn claim_by_id(
             lease_until = clock_timestamp() + $3 * interval '1 millisecond'
         WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind = ANY($2)
           AND route IN ('dual', 'broker')
+          AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (almanac.jobs.kind, '*'))
         RETURNING *
         "#,
     )
@@ -163,19 +171,24 @@ pub async fn claim_by_id(
     if let Some(job) = claimed {
         return Ok(ClaimById::Claimed(Box::new(job)));
     }
-    // Not claimed: was it only the kind? (A primary-key read, on misses only.)
-    let other: Option<String> = sqlx::query_scalar(
+    // Not claimed: was it only the kind, or a pause? (A primary-key read,
+    // on misses only.)
+    let waiting: Option<(String, bool)> = sqlx::query_as(
         r#"
-        SELECT kind FROM almanac.jobs
-        WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind <> ALL($2)
-          AND route IN ('dual', 'broker')
+        SELECT kind, EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (j.kind, '*'))
+        FROM almanac.jobs j
+        WHERE id = $1 AND status = 'ready' AND run_at <= now() AND route IN ('dual', 'broker')
         "#,
     )
     .bind(id)
-    .bind(kinds)
     .fetch_optional(db)
     .await?;
-    Ok(other.map_or(ClaimById::Skip, ClaimById::OtherKind))
+    Ok(match waiting {
+        Some((kind, _)) if !kinds.contains(&kind) => ClaimById::OtherKind(kind),
+        Some((kind, true)) => ClaimById::Paused(kind),
+        // Claimed, finished or made ready-not-due since the update looked.
+        _ => ClaimById::Skip,
+    })
 }
 
 /// Marks one job done if its lease is still held and unexpired (waiting
@@ -336,7 +349,8 @@ impl Failure {
 }
 
 /// Records a failed attempt under the fence: `ready` again after the delay,
-/// or `dead` when the failure is permanent or `attempts >= max_attempts`.
+/// or `dead` when the failure is permanent or `attempts >= max_attempts`,
+/// or `cancelled` when an operator asked for the job to stop.
 /// `last_error` keeps the message either way. Returns the new status.
 pub async fn fail<'e>(
     db: impl PgExecutor<'e>,
@@ -351,11 +365,14 @@ pub async fn fail<'e>(
     let status: Option<(JobStatus,)> = sqlx::query_as(
         r#"
         UPDATE almanac.jobs
-        SET status = CASE WHEN $3 OR attempts >= max_attempts THEN 'dead' ELSE 'ready' END,
-            run_at = CASE WHEN $3 OR attempts >= max_attempts THEN run_at
+        SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
+                          WHEN $3 OR attempts >= max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN cancel_requested_at IS NOT NULL OR $3 OR attempts >= max_attempts THEN run_at
                           ELSE clock_timestamp() + $4 * interval '1 millisecond' END,
-            finished_at = CASE WHEN $3 OR attempts >= max_attempts THEN clock_timestamp() END,
-            route = CASE WHEN $3 OR attempts >= max_attempts THEN route ELSE almanac.route_of(kind) END,
+            finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR $3 OR attempts >= max_attempts
+                               THEN clock_timestamp() END,
+            route = CASE WHEN cancel_requested_at IS NOT NULL OR $3 OR attempts >= max_attempts THEN route
+                         ELSE almanac.route_of(kind) END,
             last_error = $5,
             lease_token = NULL,
             lease_until = NULL
@@ -397,7 +414,8 @@ pub async fn heartbeat_many(
 /// when their attempts are used up (the attempt that was cut short counts),
 /// so a job that always outlives a shutdown ends dead instead of looping past
 /// `max_attempts`. `reason` becomes `last_error`; a buried job's says why it
-/// is dead. Returns each released id with its new status. Used at shutdown
+/// is dead; a job an operator asked to cancel is `cancelled`. Returns each
+/// released id with its new status. Used at shutdown
 /// for handlers that did not finish in time.
 pub async fn release<'e>(
     db: impl PgExecutor<'e>,
@@ -411,11 +429,15 @@ pub async fn release<'e>(
     let released: Vec<(i64, JobStatus)> = sqlx::query_as(
         r#"
         UPDATE almanac.jobs AS j
-        SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
-            run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
-            finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
-            route = CASE WHEN j.attempts >= j.max_attempts THEN j.route ELSE almanac.route_of(j.kind) END,
-            last_error = CASE WHEN j.attempts >= j.max_attempts
+        SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                          WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                          THEN j.run_at ELSE clock_timestamp() END,
+            finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                               THEN clock_timestamp() END,
+            route = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                         THEN j.route ELSE almanac.route_of(j.kind) END,
+            last_error = CASE WHEN j.cancel_requested_at IS NULL AND j.attempts >= j.max_attempts
                 THEN format('%s; that was attempt %s of %s, so the job is dead',
                             $3::text, j.attempts, j.max_attempts)
                 ELSE $3 END,
@@ -436,8 +458,9 @@ pub async fn release<'e>(
 
 /// Hands back a job that was claimed but never started (its claimant is
 /// shutting down): `ready` at once with the attempt the claim took restored,
-/// so a job is never buried for attempts it did not get to run. Under the
-/// fence; returns whether the lease was still held.
+/// so a job is never buried for attempts it did not get to run (`cancelled`
+/// instead, if an operator asked for that meanwhile). Under the fence;
+/// returns whether the lease was still held.
 pub async fn unclaim<'e>(
     db: impl PgExecutor<'e>,
     id: i64,
@@ -446,7 +469,10 @@ pub async fn unclaim<'e>(
     let unclaimed = sqlx::query(
         r#"
         UPDATE almanac.jobs
-        SET status = 'ready', attempts = greatest(attempts - 1, 0), run_at = clock_timestamp(),
+        SET status = CASE WHEN cancel_requested_at IS NULL THEN 'ready' ELSE 'cancelled' END,
+            attempts = greatest(attempts - 1, 0),
+            run_at = CASE WHEN cancel_requested_at IS NULL THEN clock_timestamp() ELSE run_at END,
+            finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
             route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL
         WHERE id = $1 AND status = 'running' AND lease_token = $2
         "#,
@@ -479,10 +505,14 @@ pub struct ReapReport {
     pub requeued: u64,
     /// Expired leases whose attempts were used up, now `dead`.
     pub buried: u64,
+    /// Expired leases of jobs an operator asked to cancel, now `cancelled`
+    /// (their holder is gone, or stalled past its lease).
+    pub cancelled: u64,
 }
 
 /// Takes back at most `limit` expired leases in one short statement; rows
-/// another reaper holds are skipped.
+/// another reaper holds are skipped. A job with a cancel request is finished
+/// as `cancelled`, never made ready again.
 pub async fn reap_expired<'e>(
     db: impl PgExecutor<'e>,
     limit: i64,
@@ -497,10 +527,14 @@ pub async fn reap_expired<'e>(
             FOR UPDATE SKIP LOCKED
         )
         UPDATE almanac.jobs AS j
-        SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
-            run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at ELSE clock_timestamp() END,
-            finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock_timestamp() END,
-            route = CASE WHEN j.attempts >= j.max_attempts THEN j.route ELSE almanac.route_of(j.kind) END,
+        SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                          WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+            run_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                          THEN j.run_at ELSE clock_timestamp() END,
+            finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                               THEN clock_timestamp() END,
+            route = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                         THEN j.route ELSE almanac.route_of(j.kind) END,
             last_error = format('lease expired during attempt %s of %s (worker died or stalled)',
                                 j.attempts, j.max_attempts),
             lease_token = NULL,
@@ -517,6 +551,7 @@ pub async fn reap_expired<'e>(
     for (status,) in rows {
         match status {
             JobStatus::Dead => report.buried += 1,
+            JobStatus::Cancelled => report.cancelled += 1,
             _ => report.requeued += 1,
         }
     }

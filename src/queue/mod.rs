@@ -49,8 +49,8 @@ use serde::Serialize;
 use uuid::Uuid;
 
 pub use admin::{
-    cancel, get, list, retry, schedules_with_unfinished_jobs, stats, JobFilter, KindAge,
-    KindStatusCount, Stats,
+    cancel_in, get, list, retry, retry_in, schedules_with_unfinished_jobs, stats, Cancel,
+    JobFilter, KindAge, KindStatusCount, Stats, CANCEL_CHANNEL,
 };
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
@@ -80,10 +80,19 @@ pub enum JobStatus {
     Running,
     Done,
     Dead,
+    /// Stopped by an operator (`almanac jobs cancel`); counted apart from
+    /// `dead`, and never run again unless retried.
+    Cancelled,
 }
 
 impl JobStatus {
-    pub const ALL: [JobStatus; 4] = [Self::Ready, Self::Running, Self::Done, Self::Dead];
+    pub const ALL: [JobStatus; 5] = [
+        Self::Ready,
+        Self::Running,
+        Self::Done,
+        Self::Dead,
+        Self::Cancelled,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -91,6 +100,7 @@ impl JobStatus {
             Self::Running => "running",
             Self::Done => "done",
             Self::Dead => "dead",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -108,7 +118,9 @@ impl std::str::FromStr for JobStatus {
             .into_iter()
             .find(|status| status.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown status `{s}`; expected one of ready, running, done, dead")
+                format!(
+                    "unknown status `{s}`; expected one of ready, running, done, dead, cancelled"
+                )
             })
     }
 }
@@ -134,6 +146,13 @@ pub struct Job {
     pub route: String,
     pub schedule: Option<String>,
     pub logical_run: Option<String>,
+    /// On a running job: an operator asked for it to stop (`jobs cancel`);
+    /// it ends `cancelled` whichever way its attempt ends but `done`.
+    pub cancel_requested_at: Option<DateTime<Utc>>,
+    /// Who cancelled the job, or asked to.
+    pub cancelled_by: Option<String>,
+    /// Why, in their words.
+    pub cancel_reason: Option<String>,
 }
 
 impl Job {

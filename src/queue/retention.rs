@@ -10,7 +10,7 @@ use sqlx::PgExecutor;
 
 use super::{JobStatus, QueueError};
 
-/// Deletes at most `limit` jobs in `status` (`done` or `dead`) that finished
+/// Deletes at most `limit` jobs in `status` (`done`, `dead` or `cancelled`) that finished
 /// more than `older_than` ago, oldest first, skipping rows another session
 /// holds. Returns how many went.
 pub async fn delete_finished<'e>(
@@ -20,7 +20,10 @@ pub async fn delete_finished<'e>(
     limit: i64,
 ) -> Result<u64, QueueError> {
     assert!(
-        matches!(status, JobStatus::Done | JobStatus::Dead),
+        matches!(
+            status,
+            JobStatus::Done | JobStatus::Dead | JobStatus::Cancelled
+        ),
         "only finished jobs are deleted"
     );
     let deleted = sqlx::query(

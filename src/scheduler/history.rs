@@ -229,7 +229,9 @@ pub async fn calendar_at(
                     None => CellState::JobDeleted,
                     Some(job_id) => match statuses.get(&job_id) {
                         Some(JobStatus::Done) => CellState::Done { job_id },
-                        Some(JobStatus::Dead) => CellState::Failed { job_id },
+                        Some(JobStatus::Dead | JobStatus::Cancelled) => {
+                            CellState::Failed { job_id }
+                        }
                         Some(_) => CellState::Emitted { job_id },
                         None => CellState::JobDeleted,
                     },

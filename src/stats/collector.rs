@@ -25,7 +25,7 @@ use crate::metrics::{
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
-const STATUSES: [&str; 3] = ["ready", "running", "dead"];
+const STATUSES: [&str; 4] = ["ready", "running", "dead", "cancelled"];
 
 #[derive(Debug, Clone)]
 pub struct CollectorConfig {
@@ -62,6 +62,8 @@ struct Seen {
     kinds: BTreeSet<String>,
     sinks: BTreeSet<String>,
     schedules: BTreeSet<String>,
+    /// Kinds once reported paused.
+    paused: BTreeSet<String>,
 }
 
 impl Collector {
@@ -148,6 +150,13 @@ impl Collector {
                     kind: kind.clone(),
                     sink: sink.clone(),
                 })
+                .set(if now { 1.0 } else { 0.0 });
+        }
+        seen.paused.extend(s.paused.iter().map(|p| p.kind.clone()));
+        for kind in &seen.paused {
+            let now = s.paused.iter().any(|p| &p.kind == kind);
+            m.kind_paused
+                .get_or_create(&KindLabel { kind: kind.clone() })
                 .set(if now { 1.0 } else { 0.0 });
         }
         seen.sinks.extend(s.outbox.iter().map(|b| b.sink.clone()));

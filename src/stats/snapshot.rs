@@ -55,6 +55,8 @@ pub struct Snapshot {
     pub schedules: Vec<ScheduleState>,
     /// Kinds routed (dual or broker) to a sink no relay serves right now.
     pub unserved: Vec<Unserved>,
+    /// Paused kinds (`*`: every kind), from `almanac kinds pause`.
+    pub paused: Vec<crate::control::pause::Pause>,
 }
 
 /// A kind routed to a sink that no running relay serves: its jobs' outbox
@@ -158,12 +160,14 @@ impl Snapshot {
         let leader = leader(&mut *conn).await?;
         let schedules = schedules(&mut *conn).await?;
         let unserved = unserved_routes(&mut *conn).await?;
+        let paused = crate::control::pause::list(&mut *conn).await?;
         Ok(Snapshot {
             jobs,
             outbox,
             leader,
             schedules,
             unserved,
+            paused,
         })
     }
 }

@@ -35,7 +35,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
             JobStatus::Ready => 0,
             JobStatus::Running => 1,
             JobStatus::Dead => 2,
-            JobStatus::Done => continue,
+            JobStatus::Done | JobStatus::Cancelled => continue,
         };
         kinds.entry(c.kind.as_str()).or_default()[slot] += c.count;
     }

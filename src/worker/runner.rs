@@ -138,7 +138,8 @@ pub(super) async fn run(
     report
 }
 
-/// Wakes the claim loop on `NOTIFY` for one of our kinds; reconnects with backoff.
+/// Wakes the claim loop on `NOTIFY` for one of our kinds (or `*`: every
+/// kind was resumed); reconnects with backoff.
 /// The listener holds a connection of its own, outside the worker's pool, so
 /// LISTEN never takes a connection that claims and completions need.
 async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: CancellationToken) {
@@ -172,7 +173,7 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
             tokio::select! {
                 _ = stop.cancelled() => return,
                 received = listener.recv() => match received {
-                    Ok(n) if kinds.iter().any(|k| k == n.payload()) => wake.notify_one(),
+                    Ok(n) if n.payload() == "*" || kinds.iter().any(|k| k == n.payload()) => wake.notify_one(),
                     Ok(_) => {}
                     Err(err) => {
                         warn!(%err, "LISTEN connection lost; reconnecting");

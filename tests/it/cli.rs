@@ -87,13 +87,22 @@ async fn bad_input_is_refused_with_a_clear_message_and_writes_nothing(pool: PgPo
     assert_eq!(not_dead.status.code(), Some(1));
     assert_eq!(
         text(&not_dead.stderr),
-        format!("error: job {id} is ready; retry applies only to dead jobs")
+        format!("error: job {id} is ready; retry applies only to dead or cancelled jobs")
     );
-    let cancelled = almanac(&url, &["jobs", "cancel", &id]);
+    let cancelled = almanac(&url, &["jobs", "cancel", &id, "--reason", "wrong tenant"]);
     assert!(cancelled.status.success());
     assert_eq!(
-        queue::get(&pool, id.parse().unwrap()).await.unwrap().status,
-        JobStatus::Dead
+        text(&cancelled.stdout),
+        format!("job {id} (mail) cancelled before it ran")
+    );
+    let job = queue::get(&pool, id.parse().unwrap()).await.unwrap();
+    assert_eq!(job.status, JobStatus::Cancelled);
+    assert_eq!(job.cancel_reason.as_deref(), Some("wrong tenant"));
+    let again = almanac(&url, &["jobs", "cancel", &id]);
+    assert!(again.status.success());
+    assert_eq!(
+        text(&again.stdout),
+        format!("job {id} (mail) is already cancelled: nothing changed")
     );
 }
 

@@ -383,6 +383,9 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
     let recent_done = finished_job(&pool, "report", "done", 6).await;
     let old_dead = finished_job(&pool, "report", "dead", 31).await;
     let recent_dead = finished_job(&pool, "report", "dead", 29).await;
+    // Cancelled jobs are kept as long as dead ones.
+    let old_cancelled = finished_job(&pool, "report", "cancelled", 31).await;
+    let recent_cancelled = finished_job(&pool, "report", "cancelled", 29).await;
     let ready = queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("report"))
         .await
         .unwrap()
@@ -448,17 +451,21 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
         .unwrap(),
     );
     let report = janitor.run_once(&CancellationToken::new()).await.unwrap();
-    assert_eq!((report.done, report.dead, report.outbox), (5, 1, 5));
-    // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); outbox: 3 rows
-    // of a published batch and 2 published rows, then 0 = 2.
-    assert_eq!(report.batches, 6);
+    assert_eq!(
+        (report.done, report.dead, report.cancelled, report.outbox),
+        (5, 1, 1, 5)
+    );
+    // done: 2 + 2 + 1 (short) = 3 batches; dead: 1 (short); cancelled: 1
+    // (short); outbox: 3 rows of a published batch and 2 published rows,
+    // then 0 = 2.
+    assert_eq!(report.batches, 7);
 
     let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM almanac.jobs ORDER BY id")
         .fetch_all(&pool)
         .await
         .unwrap();
-    let mut expected = vec![recent_done, old_dead, recent_dead, ready];
-    expected.retain(|id| *id != old_dead);
+    let mut expected = vec![recent_done, old_dead, recent_dead, recent_cancelled, ready];
+    expected.retain(|id| *id != old_dead && *id != old_cancelled);
     expected.sort();
     assert_eq!(left, expected);
     assert_eq!(
@@ -503,7 +510,7 @@ async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout),
-        "deleted 1 done job, 0 dead jobs and 0 published outbox rows (3 batches)"
+        "deleted 1 done job, 0 dead jobs, 0 cancelled jobs and 0 published outbox rows (4 batches)"
     );
 }
 

@@ -8,7 +8,7 @@ use almanac::queue::{self, Claim, Enqueued, Failure, Fenced, JobStatus, NewJob, 
 use almanac::role::{Periodic, Settings};
 use chrono::{DateTime, Utc};
 use serde_json::json;
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -327,31 +327,42 @@ async fn operators_retry_dead_jobs_and_cancel_ready_ones_and_are_told_otherwise(
     let err = queue::retry(&mut conn, id).await.unwrap_err();
     assert_eq!(
         err.to_string(),
-        format!("job {id} is ready; retry applies only to dead jobs")
+        format!("job {id} is ready; retry applies only to dead or cancelled jobs")
     );
 
+    // A running job gets a request; its failure then ends it `cancelled`,
+    // not `ready` or `dead`.
     let job = claim_one(&pool, "x", Duration::from_secs(30)).await;
-    let err = queue::cancel(&mut conn, id).await.unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        format!("job {id} is running; cancel applies only to ready jobs")
-    );
-    queue::fail(
+    let mut tx = conn.begin().await.unwrap();
+    let requested = queue::cancel_in(&mut tx, id, "ops (cli)", Some("stuck"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(matches!(requested, queue::Cancel::Requested(ref j) if j.status == JobStatus::Running));
+    let failed = queue::fail(
         &pool,
         id,
         job.lease_token.unwrap(),
         &Failure::Retry {
             delay: Duration::ZERO,
-            error: "e".into(),
+            error: "killed".into(),
         },
     )
     .await
     .unwrap();
+    assert_eq!(failed, Fenced::Held(JobStatus::Cancelled));
 
     let retried = queue::retry(&mut conn, id).await.unwrap();
     assert_eq!((retried.status, retried.attempts), (JobStatus::Ready, 0));
-    let cancelled = queue::cancel(&mut conn, id).await.unwrap();
-    assert_eq!(cancelled.status, JobStatus::Dead);
+    assert_eq!(retried.cancel_requested_at, None);
+    let mut tx = conn.begin().await.unwrap();
+    let cancelled = queue::cancel_in(&mut tx, id, "ops (cli)", None)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(cancelled, queue::Cancel::Cancelled(ref j) if j.status == JobStatus::Cancelled)
+    );
     assert!(matches!(
         queue::get(&pool, 987_654).await,
         Err(QueueError::NotFound(987_654))
