@@ -207,16 +207,32 @@ async fn require_auth(
     request: Request,
     next: Next,
 ) -> Response {
+    let mut request = request;
     if auth.admits(request.headers()) {
+        // The handlers learn who acts from here, never from a header they
+        // would have to trust.
+        request.extensions_mut().insert(AuthUser(auth.user.clone()));
         return next.run(request).await;
+    }
+    let challenge = [(header::WWW_AUTHENTICATE, "Basic realm=\"almanac\"")];
+    if request.uri().path().starts_with("/api/") {
+        let body = axum::Json(
+            serde_json::json!({"error": "authentication required: send HTTP basic auth (--http-basic-auth)"}),
+        );
+        return (StatusCode::UNAUTHORIZED, challenge, body).into_response();
     }
     (
         StatusCode::UNAUTHORIZED,
-        [(header::WWW_AUTHENTICATE, "Basic realm=\"almanac\"")],
+        challenge,
         "authentication required\n",
     )
         .into_response()
 }
+
+/// The basic-auth user a request was admitted as (a request extension set
+/// by the auth guard; absent when no auth is configured).
+#[derive(Debug, Clone)]
+pub struct AuthUser(pub String);
 
 async fn healthz() -> &'static str {
     "ok\n"

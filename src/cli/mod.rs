@@ -2,6 +2,7 @@
 //! and `run()`. Errors reach the person as `error: ...` on stderr with exit
 //! status 1 (2 for usage errors, from clap).
 
+mod audit;
 mod backfill;
 mod bench;
 mod bulk;
@@ -64,6 +65,8 @@ enum Command {
     Jobs(jobs::Args),
     /// Pause or resume job kinds on every worker and consumer.
     Kinds(kinds::Args),
+    /// The audit log of operator actions, newest first.
+    Audit(audit::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
     Stats(stats::Args),
     /// Run the service roles (scheduler, reaper, janitor, metrics, relay) until SIGINT/SIGTERM.
@@ -185,6 +188,7 @@ pub async fn main() -> ExitCode {
         Command::Enqueue(args) => enqueue::run(&ctx, args).await,
         Command::Jobs(args) => jobs::run(&ctx, args).await,
         Command::Kinds(args) => kinds::run(&ctx, args).await,
+        Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,
         Command::Janitor(args) => janitor::run(&ctx, args).await,

@@ -104,6 +104,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 sink_kind,
                 dest.as_deref(),
                 lock_timeout.0,
+                Some(&crate::control::Actor::os_user()),
             )
             .await?;
             let plural = |n: u64| if n == 1 { "" } else { "s" };

@@ -2,7 +2,9 @@
 //!
 //! `trigger` of a run that already has a job prints which run it is and
 //! that it exists, emits nothing, and exits 0: the run is there, which is
-//! what was asked. The rules are [`crate::scheduler::controls`]'.
+//! what was asked. The rules are [`crate::scheduler::controls`]'; pause,
+//! resume and trigger go through [`crate::control::schedules`], so each
+//! writes its audit row (actor: the OS user, source `cli`).
 
 use anyhow::{bail, Context as _};
 use chrono::{DateTime, Days, NaiveDate, Utc};
@@ -10,6 +12,7 @@ use chrono_tz::Tz;
 use clap::Subcommand;
 
 use super::{Ctx, SchedulesDir};
+use crate::control::{self, Actor};
 use crate::scheduler::controls::{self, Paused, Triggered};
 use crate::scheduler::cron::CronExpr;
 use crate::scheduler::ledger;
@@ -135,14 +138,6 @@ pub fn print_run(run: &Run, tz: Tz, json: bool) {
     }
 }
 
-/// Who runs this command: `$USER`, or `unknown`.
-fn operator() -> String {
-    std::env::var("USER")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn utc(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
@@ -166,7 +161,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             let schedule = schedules.find(ctx, &name)?;
             let pool = ctx.migrated_pool(1).await?;
             let mut conn = pool.acquire().await?;
-            match controls::pause(&mut conn, &schedule, &note, &operator(), None).await? {
+            match control::schedules::pause(&mut conn, &Actor::os_user(), &schedule, &note).await? {
                 Paused::Now(p) => println!("{name}: {}", describe(&p)),
                 Paused::Already(p) => println!("{name}: already {}; nothing changed", describe(&p)),
             }
@@ -176,7 +171,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             schedules.find(ctx, &name)?;
             let pool = ctx.migrated_pool(1).await?;
             let mut conn = pool.acquire().await?;
-            match controls::resume(&mut conn, &name, &operator(), None).await? {
+            match control::schedules::resume(&mut conn, &Actor::os_user(), &name).await? {
                 Some(p) => println!("{name}: resumed (was {})", describe(&p)),
                 None => println!("{name}: not paused; nothing changed"),
             }
@@ -190,7 +185,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             let schedule = schedules.find(ctx, &name)?;
             let pool = ctx.migrated_pool(1).await?;
             let mut conn = pool.acquire().await?;
-            match controls::trigger(&mut conn, &schedule, logical_run.as_deref()).await? {
+            match control::schedules::trigger(&mut conn, &Actor::os_user(), &schedule, logical_run.as_deref()).await? {
                 Triggered::Emitted { run, job_id } => {
                     println!("{name}: emitted logical run {} as job {job_id}", run.logical_run)
                 }

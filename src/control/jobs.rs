@@ -4,6 +4,7 @@ use sqlx::{Connection, PgConnection};
 
 use super::audit::{self, Action};
 use super::{Actor, ControlError};
+use crate::queue::browse::{self, DeadFilter, RETRY_BATCH};
 use crate::queue::{self, Cancel, Job};
 
 /// Cancels job `id` as [`queue::Cancel`] says, and logs it. A job that had
@@ -61,4 +62,44 @@ pub async fn retry(conn: &mut PgConnection, actor: &Actor, id: i64) -> Result<Jo
     audit::record(&mut tx, actor, &action).await?;
     tx.commit().await?;
     Ok(job)
+}
+
+/// Retries every dead job of one dead-letter group (the dashboard's "retry
+/// all"), as [`browse::retry_dead_matching`] does: the ids are read once,
+/// then retried [`RETRY_BATCH`] at a time. Its one audit row is written
+/// first (count 0) and each batch's transaction adds what it retried, so the
+/// row always says how many were retried, even if it stops half-way.
+pub async fn retry_dead_group(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    group: &DeadFilter,
+) -> Result<u64, ControlError> {
+    let ids = browse::dead_ids(&mut *conn, group).await?;
+    let target = match (&group.kind, &group.error) {
+        (Some(kind), Some(error)) => format!("dead jobs of kind {kind} with error {error:?}"),
+        (Some(kind), None) => format!("dead jobs of kind {kind}"),
+        (None, Some(error)) => format!("dead jobs with error {error:?}"),
+        (None, None) => "every dead job".to_string(),
+    };
+    let note = format!("{} selected", ids.len());
+    let action = Action {
+        action: "bulk retry",
+        target: &target,
+        count: 0,
+        note: Some(&note),
+    };
+    let audit_id = audit::record_returning(&mut *conn, actor, &action).await?;
+    let mut retried = 0u64;
+    for chunk in ids.chunks(RETRY_BATCH) {
+        let mut tx = conn.begin().await?;
+        let n = browse::retry_dead_batch(&mut tx, chunk).await?;
+        sqlx::query("UPDATE almanac.audit_log SET count = count + $2 WHERE id = $1")
+            .bind(audit_id)
+            .bind(n as i64)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        retried += n;
+    }
+    Ok(retried)
 }

@@ -15,12 +15,15 @@
 //!   out; a finished one is left as it is, and the answer says so.
 //! - [`bulk`]: retry, cancel or delete every job matching a filter, in
 //!   short batches, acting on at most what was counted and confirmed.
+//! - [`schedules`]: pause, resume and trigger a schedule
+//!   ([`crate::scheduler::controls`]) with their audit rows.
 //! - [`audit`]: the log itself, and reading it back.
 
 pub mod audit;
 pub mod bulk;
 pub mod jobs;
 pub mod pause;
+pub mod schedules;
 
 use serde::Serialize;
 

@@ -245,26 +245,38 @@ pub async fn retry_dead_matching(
     conn: &mut PgConnection,
     f: &DeadFilter,
 ) -> Result<u64, QueueError> {
-    let mut b = QueryBuilder::new("SELECT id FROM almanac.jobs");
-    dead_where(&mut b, f);
-    b.push(" ORDER BY id");
-    let ids: Vec<i64> = b.build_query_scalar().fetch_all(&mut *conn).await?;
+    let ids = dead_ids(&mut *conn, f).await?;
     let mut retried = 0u64;
     for chunk in ids.chunks(RETRY_BATCH) {
         let mut tx = conn.begin().await?;
-        // As in [`super::retry`]: the job rows, then the ledger rows of the
-        // scheduled ones are locked (the janitor's order), and an earlier job
-        // of a reprocessed run (the ledger points elsewhere) is left dead.
-        let locked: Vec<i64> = sqlx::query_scalar(
-            "SELECT id FROM almanac.jobs WHERE id = ANY($1) AND status = 'dead' ORDER BY id FOR UPDATE",
-        )
-        .bind(chunk)
-        .fetch_all(&mut *tx)
-        .await?;
-        retried += retry_locked(&mut tx, &locked).await?;
+        retried += retry_dead_batch(&mut tx, chunk).await?;
         tx.commit().await?;
     }
     Ok(retried)
+}
+
+/// The ids of the dead jobs matching `f`, ascending (read once, through
+/// the partial index of dead rows).
+pub async fn dead_ids(conn: &mut PgConnection, f: &DeadFilter) -> Result<Vec<i64>, QueueError> {
+    let mut b = QueryBuilder::new("SELECT id FROM almanac.jobs");
+    dead_where(&mut b, f);
+    b.push(" ORDER BY id");
+    Ok(b.build_query_scalar().fetch_all(&mut *conn).await?)
+}
+
+/// One batch of [`retry_dead_matching`], inside the caller's transaction:
+/// the jobs of `chunk` still dead are locked and retried.
+pub async fn retry_dead_batch(tx: &mut PgConnection, chunk: &[i64]) -> Result<u64, QueueError> {
+    // As in [`super::retry`]: the job rows, then the ledger rows of the
+    // scheduled ones are locked (the janitor's order), and an earlier job
+    // of a reprocessed run (the ledger points elsewhere) is left dead.
+    let locked: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM almanac.jobs WHERE id = ANY($1) AND status = 'dead' ORDER BY id FOR UPDATE",
+    )
+    .bind(chunk)
+    .fetch_all(&mut *tx)
+    .await?;
+    retry_locked(tx, &locked).await
 }
 
 /// Gives the dead or cancelled jobs among `ids`, whose rows the caller's

@@ -209,11 +209,22 @@ pub async fn set(
     sink: Option<SinkKind>,
     destination: Option<&str>,
 ) -> Result<RouteChange, RouteError> {
-    set_within(conn, kind, mode, sink, destination, DEFAULT_LOCK_TIMEOUT).await
+    set_within(
+        conn,
+        kind,
+        mode,
+        sink,
+        destination,
+        DEFAULT_LOCK_TIMEOUT,
+        None,
+    )
+    .await
 }
 
 /// Changes `kind`'s route, waiting at most `lock_timeout` for the kind's
-/// lock, then moves its ready jobs (see the module doc).
+/// lock, then moves its ready jobs (see the module doc). With an `actor`
+/// (an operator's `almanac route set`), the change's transaction also
+/// writes its audit row ([`crate::control::audit`]).
 pub async fn set_within(
     conn: &mut PgConnection,
     kind: &str,
@@ -221,8 +232,10 @@ pub async fn set_within(
     sink: Option<SinkKind>,
     destination: Option<&str>,
     lock_timeout: Duration,
+    actor: Option<&crate::control::Actor>,
 ) -> Result<RouteChange, RouteError> {
-    let route = match write_route(conn, kind, mode, sink, destination, lock_timeout).await {
+    let written = write_route(conn, kind, mode, sink, destination, lock_timeout, actor).await;
+    let route = match written {
         Err(RouteError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("55P03") => {
             let blockers = lock_holders(conn, kind).await.unwrap_or_default();
             return Err(RouteError::LockTimeout {
@@ -263,6 +276,7 @@ async fn write_route(
     sink: Option<SinkKind>,
     destination: Option<&str>,
     lock_timeout: Duration,
+    actor: Option<&crate::control::Actor>,
 ) -> Result<Route, RouteError> {
     let mut tx = conn
         .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -290,6 +304,20 @@ async fn write_route(
     .bind(destination.as_deref())
     .fetch_one(&mut *tx)
     .await?;
+    if let Some(actor) = actor {
+        let target = format!("kind {kind}");
+        let note = match (&route.sink, &route.destination) {
+            (Some(sink), Some(dest)) => format!("mode {} via {sink} `{dest}`", route.mode),
+            _ => format!("mode {}", route.mode),
+        };
+        let action = crate::control::audit::Action {
+            action: "route set",
+            target: &target,
+            count: 1,
+            note: Some(&note),
+        };
+        crate::control::audit::record(&mut tx, actor, &action).await?;
+    }
     tx.commit().await?;
     Ok(route)
 }

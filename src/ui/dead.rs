@@ -8,10 +8,11 @@ use axum::Form;
 use maud::html;
 use serde::Deserialize;
 
+use super::act::{self, Who};
 use super::jobs::job_table;
 use super::view::{self, csrf, dash, layout, opt_time, query};
 use super::{Page, Ui, UiError};
-use crate::queue;
+use crate::control::Source;
 use crate::queue::browse::{self, DeadFilter};
 
 const GROUPS: i64 = 200;
@@ -152,7 +153,11 @@ pub(super) struct ActionForm {
     expected: Option<String>,
 }
 
-pub(super) async fn retry_all(State(ui): State<Ui>, Form(form): Form<ActionForm>) -> Response {
+pub(super) async fn retry_all(
+    State(ui): State<Ui>,
+    who: Who,
+    Form(form): Form<ActionForm>,
+) -> Response {
     if let Err(e) = ui.admit(form.csrf.as_deref()) {
         return e.into_response();
     }
@@ -164,20 +169,10 @@ pub(super) async fn retry_all(State(ui): State<Ui>, Form(form): Form<ActionForm>
             None
         },
     };
-    // Its own task: a browser that goes away mid-way does not stop the
-    // retry half-done.
-    let (pool, group) = (ui.pool.clone(), filter.clone());
-    let done = tokio::spawn(async move {
-        let mut conn = pool.acquire().await?;
-        Ok::<_, UiError>(browse::retry_dead_matching(&mut conn, &group).await?)
-    })
-    .await;
-    let n = match done {
-        Ok(Ok(n)) => n,
-        Ok(Err(e)) => return e.into_response(),
-        Err(e) => return UiError::Db(format!("the retry task failed: {e}")).into_response(),
+    let n = match act::retry_group(&ui, who.actor(Source::Dashboard), filter.clone()).await {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
     };
-    tracing::info!(kind = ?filter.kind, retried = n, "dashboard: bulk retry of dead jobs");
     let expected = form.expected.unwrap_or_default();
     let jobs_link = format!(
         "/jobs{}",
@@ -198,25 +193,19 @@ pub(super) async fn retry_all(State(ui): State<Ui>, Form(form): Form<ActionForm>
 
 pub(super) async fn retry_one(
     State(ui): State<Ui>,
+    who: Who,
     Path(id): Path<String>,
     Form(form): Form<ActionForm>,
 ) -> Response {
     if let Err(e) = ui.admit(form.csrf.as_deref()) {
         return e.into_response();
     }
-    let Ok(id) = id.parse::<i64>() else {
-        return UiError::NotFound(format!("`{id}` is not a job id.")).into_response();
+    let id = match act::job_id(&id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
     };
-    let done = async {
-        let mut conn = ui.pool.acquire().await?;
-        Ok::<_, UiError>(queue::retry(&mut conn, id).await?)
-    }
-    .await;
-    match done {
-        Ok(job) => {
-            tracing::info!(job_id = job.id, kind = %job.kind, "dashboard: retried a dead job");
-            Redirect::to(&format!("/jobs/{id}?retried=1")).into_response()
-        }
+    match act::retry(&ui, who.actor(Source::Dashboard), id).await {
+        Ok(_) => Redirect::to(&format!("/jobs/{id}?retried=1")).into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -1,12 +1,15 @@
 //! `/jobs` (filters, newest first, keyset pages) and `/jobs/{id}`.
 
 use axum::extract::{Path, Query, State};
-use axum::response::Html;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::Form;
 use maud::{html, Markup};
 use serde::Deserialize;
 
+use super::act::{self, Who};
 use super::view::{self, csrf, dash, enc, first_line, layout, opt_time, query, time};
 use super::{outbox, Page, Ui, UiError};
+use crate::control::Source;
 use crate::queue::browse::{self, JobQuery};
 use crate::queue::{self, JobStatus};
 
@@ -134,6 +137,7 @@ pub(super) fn job_table(jobs: &[queue::Job]) -> Markup {
 #[derive(Debug, Default, Deserialize)]
 pub(super) struct DetailQuery {
     retried: Option<String>,
+    cancelled: Option<String>,
 }
 
 pub(super) async fn detail(
@@ -151,6 +155,11 @@ pub(super) async fn detail(
     let body = html! {
         @if dq.retried.is_some() {
             p .flash #flash { "Retried: the job is ready again with a fresh set of attempts." }
+        }
+        @if dq.cancelled.is_some() {
+            p .flash #flash { @if job.status == JobStatus::Running {
+                "Stop requested: the process holding this job stops its handler, and it ends cancelled."
+            } @else { "Cancelled." } }
         }
         dl .facts {
             dt { "kind" } dd #kind { (job.kind) }
@@ -172,8 +181,27 @@ pub(super) async fn detail(
                 None => (dash()),
             } }
             dt { "logical run" } dd { (job.logical_run.as_deref().unwrap_or("–")) }
+            @if job.cancelled_by.is_some() || job.cancel_requested_at.is_some() {
+                dt { "cancel" } dd #cancel-info {
+                    @if job.status == JobStatus::Running { "stop requested " } @else { "requested " }
+                    (opt_time(job.cancel_requested_at))
+                    @if let Some(by) = &job.cancelled_by { " by " (by) }
+                    @if let Some(reason) = &job.cancel_reason { ": " (reason) }
+                }
+            }
         }
-        @if job.status == JobStatus::Dead {
+        @if matches!(job.status, JobStatus::Ready | JobStatus::Running) {
+            @if ui.actions {
+                form .cancel method="post" action={"/jobs/" (job.id) "/cancel"} {
+                    (csrf(&ui.csrf))
+                    input type="text" name="reason" size="30" placeholder="reason (optional)" aria-label="cancel reason";
+                    button #cancel type="submit" {
+                        @if job.status == JobStatus::Running { "Cancel (stop the running handler)" } @else { "Cancel this job" }
+                    }
+                }
+            } @else { (view::read_only_note()) }
+        }
+        @if matches!(job.status, JobStatus::Dead | JobStatus::Cancelled) {
             @if ui.actions {
                 form method="post" action={"/jobs/" (job.id) "/retry"} {
                     (csrf(&ui.csrf))
@@ -194,4 +222,35 @@ pub(super) async fn detail(
     Ok(Html(
         layout(&format!("Job {}", job.id), "/jobs", false, body).into_string(),
     ))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct CancelForm {
+    csrf: Option<String>,
+    reason: Option<String>,
+}
+
+/// Cancels a ready job, or asks the holder of a running one to stop it.
+pub(super) async fn cancel(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(id): Path<String>,
+    Form(form): Form<CancelForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    let id = match act::job_id(&id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    match act::cancel(&ui, who.actor(Source::Dashboard), id, form.reason).await {
+        Ok(queue::Cancel::Finished(job)) => UiError::Conflict(format!(
+            "Job {id} had already finished ({}): nothing changed.",
+            job.status
+        ))
+        .into_response(),
+        Ok(_) => Redirect::to(&format!("/jobs/{id}?cancelled=1")).into_response(),
+        Err(e) => e.into_response(),
+    }
 }

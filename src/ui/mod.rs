@@ -46,6 +46,9 @@
 //!   their jobs by primary key. `tests/it/ui.rs` checks the plans with
 //!   `EXPLAIN` on a table of done jobs.
 
+mod act;
+mod api;
+mod audit;
 mod dead;
 mod jobs;
 mod outbox;
@@ -95,6 +98,11 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         .route("/jobs", get(jobs::list))
         .route("/jobs/{id}", get(jobs::detail))
         .route("/jobs/{id}/retry", post(dead::retry_one))
+        .route("/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/kinds/pause", post(overview::pause_named))
+        .route("/kinds/{kind}/pause", post(overview::pause))
+        .route("/kinds/{kind}/resume", post(overview::resume))
+        .route("/audit", get(audit::page))
         .route("/dead", get(dead::page))
         .route("/dead/retry", get(dead::confirm).post(dead::retry_all))
         .route("/schedules", get(schedules::list))
@@ -105,6 +113,7 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         .route("/routes", get(routes::page))
         .route("/ui/style.css", get(style))
         .route("/ui/app.js", get(script))
+        .nest("/api/v1", api::router())
         .layer(axum::middleware::map_response(protect))
         .layer(axum::middleware::from_fn_with_state(config, same_site))
         .with_state(ui)
@@ -122,12 +131,13 @@ async fn same_site(
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
         .unwrap_or("");
+    let api = request.uri().path().starts_with("/api/");
     if !config.any_host && !is_loopback_host(host) {
-        return (
-            StatusCode::MISDIRECTED_REQUEST,
-            "this dashboard answers only to localhost, 127.0.0.1 or [::1]; to serve it under another name, set --http-basic-auth\n",
-        )
-            .into_response();
+        let message = "this dashboard answers only to localhost, 127.0.0.1 or [::1]; to serve it under another name, set --http-basic-auth";
+        if api {
+            return api::error(StatusCode::MISDIRECTED_REQUEST, message);
+        }
+        return (StatusCode::MISDIRECTED_REQUEST, format!("{message}\n")).into_response();
     }
     if request.method() == axum::http::Method::POST {
         let origin = headers.get(header::ORIGIN).and_then(|h| h.to_str().ok());
@@ -136,11 +146,14 @@ async fn same_site(
             origin.is_some_and(|o| o.split_once("://").map(|(_, rest)| rest) != Some(host));
         let foreign_fetch = fetch_site.is_some_and(|f| f != "same-origin" && f != "none");
         if foreign_origin || foreign_fetch {
-            return UiError::Forbidden(
+            let refusal = UiError::Forbidden(
                 "This action was sent from another site; submit it from the dashboard's own page."
                     .into(),
-            )
-            .into_response();
+            );
+            if api {
+                return api::ApiError(refusal).into_response();
+            }
+            return refusal.into_response();
         }
     }
     next.run(request).await
@@ -211,7 +224,7 @@ impl Ui {
     }
 }
 
-const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry jobs and pause, resume or trigger schedules from here, or use `almanac jobs retry ID` and `almanac schedules pause|resume|trigger NAME`.";
+const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry and cancel jobs, pause and resume kinds and pause, resume or trigger schedules from here or through /api/v1, or use `almanac jobs retry|cancel ID`, `almanac kinds pause|resume KIND` and `almanac schedules pause|resume|trigger NAME`.";
 
 /// What a page or an action can fail with; shown as a page with its status.
 #[derive(Debug, thiserror::Error)]
@@ -222,6 +235,9 @@ enum UiError {
     BadRequest(String),
     #[error("{0}")]
     Forbidden(String),
+    /// The target is in a state the action does not apply to.
+    #[error("{0}")]
+    Conflict(String),
     #[error("database error: {0}")]
     Db(String),
 }
@@ -236,10 +252,11 @@ impl From<crate::queue::QueueError> for UiError {
     fn from(err: crate::queue::QueueError) -> Self {
         use crate::queue::QueueError;
         match err {
-            QueueError::NotFound(id) => UiError::NotFound(format!("No job with id {id}.")),
-            QueueError::WrongStatus { .. }
-            | QueueError::Invalid(_)
-            | QueueError::Superseded { .. } => UiError::BadRequest(err.to_string()),
+            QueueError::NotFound(id) => UiError::NotFound(format!("no job with id {id}")),
+            QueueError::WrongStatus { .. } | QueueError::Superseded { .. } => {
+                UiError::Conflict(err.to_string())
+            }
+            QueueError::Invalid(_) => UiError::BadRequest(err.to_string()),
             QueueError::Db(err) => err.into(),
         }
     }
@@ -257,17 +274,30 @@ impl From<crate::scheduler::backfill::BackfillError> for UiError {
     }
 }
 
+impl UiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            UiError::NotFound(_) => StatusCode::NOT_FOUND,
+            UiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            UiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            UiError::Conflict(_) => StatusCode::CONFLICT,
+            UiError::Db(message) => {
+                tracing::error!(error = %message, "dashboard or API request failed");
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+}
+
 impl IntoResponse for UiError {
     fn into_response(self) -> Response {
-        let (status, title) = match &self {
-            UiError::NotFound(_) => (StatusCode::NOT_FOUND, "Not found"),
-            UiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "Cannot do that"),
-            UiError::Forbidden(_) => (StatusCode::FORBIDDEN, "Refused"),
-            UiError::Db(_) => (StatusCode::INTERNAL_SERVER_ERROR, "Database error"),
+        let title = match &self {
+            UiError::NotFound(_) => "Not found",
+            UiError::BadRequest(_) | UiError::Conflict(_) => "Cannot do that",
+            UiError::Forbidden(_) => "Refused",
+            UiError::Db(_) => "Database error",
         };
-        if let UiError::Db(message) = &self {
-            tracing::error!(error = %message, "dashboard page failed");
-        }
+        let status = self.status();
         let body = maud::html! {
             p #error-message .error { (self.to_string()) }
             p { a href="/" { "Back to the overview" } }

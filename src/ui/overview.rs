@@ -1,16 +1,23 @@
 //! `/`: the queue by status and kind, the oldest due job per kind, expired
 //! leases, the last hour's throughput, the scheduler's leader and the outbox
-//! per sink. The figures are [`Snapshot`]'s, the same as `/metrics` and
-//! `almanac stats`.
+//! per sink, and the paused kinds. The figures are [`Snapshot`]'s, the same
+//! as `/metrics` and `almanac stats`. With `--ui-actions`, each kind has a
+//! Pause button (with a note) and each paused kind a Resume button
+//! ([`super::act`]).
 
 use std::collections::BTreeMap;
 
-use axum::extract::State;
-use axum::response::Html;
-use maud::html;
+use axum::extract::{Path, State};
+use axum::response::{Html, IntoResponse, Response};
+use axum::Form;
+use maud::{html, Markup};
+use serde::Deserialize;
 
-use super::view::{age, dash, enc, layout, sink_rows};
+use super::act::{self, Who};
+use super::view::{age, csrf, dash, enc, layout, opt_time, sink_rows, time};
 use super::{Page, Ui};
+use crate::control::pause::{Pause, Paused};
+use crate::control::Source;
 use crate::queue::{browse, JobStatus};
 use crate::stats::Snapshot;
 
@@ -68,23 +75,57 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
             }
             div .card { span .label { "oldest due ready" } span .value #oldest-due { (age(snap.jobs.oldest_due_ready_seconds)) } }
         }
+        section #paused-kinds {
+            h2 { "Paused kinds" }
+            @if snap.paused.is_empty() {
+                p .muted #no-paused { "No kind is paused." }
+            } @else {
+                div .scroll { table #paused {
+                    thead { tr { th { "kind" } th { "since" } th { "by" } th { "note" } @if ui.actions { th {} } } }
+                    tbody {
+                        @for p in &snap.paused {
+                            tr data-kind=(p.kind) {
+                                td { span .badge .paused { "paused" } " " code { (p.kind) } }
+                                td { (time(p.paused_at)) }
+                                td .by { (p.paused_by) }
+                                td .note { (p.note.as_deref().unwrap_or("")) }
+                                @if ui.actions { td { (resume_form(&ui, &p.kind)) } }
+                            }
+                        }
+                    }
+                } }
+            }
+            @if ui.actions {
+                form .pause-kind method="post" action="/kinds/pause" {
+                    (csrf(&ui.csrf))
+                    input type="text" name="kind" size="16" placeholder="kind (* for all)" aria-label="kind to pause";
+                    input type="text" name="note" size="24" placeholder="note: why" aria-label="pause note";
+                    button type="submit" { "Pause kind" }
+                }
+            }
+        }
         section {
             h2 { "Jobs by kind" }
             @if kinds.is_empty() {
                 p .muted { "No ready, running or dead jobs." }
             } @else {
                 div .scroll { table #kinds {
-                    thead { tr { th { "kind" } th .num { "ready" } th .num { "running" } th .num { "dead" } th .num { "oldest due" } } }
+                    thead { tr { th { "kind" } th .num { "ready" } th .num { "running" } th .num { "dead" } th .num { "oldest due" } @if ui.actions { th {} } } }
                     tbody {
                         @for (kind, [ready, running, dead]) in &kinds {
                             tr data-kind=(kind) {
-                                td { a href={"/jobs?kind=" (enc(kind))} { (kind) } }
+                                td { a href={"/jobs?kind=" (enc(kind))} { (kind) }
+                                    @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } } }
                                 td .num data-status="ready" { (ready) }
                                 td .num data-status="running" { (running) }
                                 td .num data-status="dead" {
                                     @if *dead > 0 { a href={"/dead?kind=" (enc(kind))} { (dead) } } @else { "0" }
                                 }
                                 td .num { @match oldest.get(kind) { Some(s) => (age(*s)), None => (dash()) } }
+                                @if ui.actions { td .actions {
+                                    @if snap.paused.iter().any(|p| p.kind == *kind) { (resume_form(&ui, kind)) }
+                                    @else { (pause_form(&ui, kind)) }
+                                } }
                             }
                         }
                     }
@@ -133,4 +174,96 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
         }
     };
     Ok(Html(layout("Overview", "/", true, body).into_string()))
+}
+
+fn pause_form(ui: &Ui, kind: &str) -> Markup {
+    html! {
+        form .pause method="post" action={"/kinds/" (enc(kind)) "/pause"} {
+            (csrf(&ui.csrf))
+            input type="text" name="note" size="14" placeholder="note: why" aria-label="pause note";
+            button .pause type="submit" data-kind=(kind) { "Pause" }
+        }
+    }
+}
+
+fn resume_form(ui: &Ui, kind: &str) -> Markup {
+    html! {
+        form .resume method="post" action={"/kinds/" (enc(kind)) "/resume"} {
+            (csrf(&ui.csrf))
+            button .resume type="submit" data-kind=(kind) { "Resume" }
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct KindForm {
+    csrf: Option<String>,
+    /// The kind, when the form names it (the "Pause kind" form).
+    kind: Option<String>,
+    note: Option<String>,
+}
+
+/// The page a kind's action answers with.
+fn done(title: &str, message: String, pause: &Pause) -> Response {
+    let body = html! {
+        p .flash #flash { (message) }
+        p .muted { "paused " (opt_time(Some(pause.paused_at))) " by " (pause.paused_by)
+            @if let Some(note) = &pause.note { ": " (note) } }
+        p { a href="/" { "Back to the overview" } " · " a href="/audit" { "audit log" } }
+    };
+    Html(layout(title, "/", false, body).into_string()).into_response()
+}
+
+/// Pauses the kind in the path.
+pub(super) async fn pause(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(kind): Path<String>,
+    Form(form): Form<KindForm>,
+) -> Response {
+    pause_kind(ui, who, kind, form).await
+}
+
+/// Pauses the kind the form names (the overview's "Pause kind" form).
+pub(super) async fn pause_named(
+    State(ui): State<Ui>,
+    who: Who,
+    Form(form): Form<KindForm>,
+) -> Response {
+    let kind = form.kind.clone().unwrap_or_default().trim().to_string();
+    pause_kind(ui, who, kind, form).await
+}
+
+async fn pause_kind(ui: Ui, who: Who, kind: String, form: KindForm) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    match act::pause_kind(&ui, who.actor(Source::Dashboard), kind.clone(), form.note).await {
+        Ok(Paused::Now(p)) => done(
+            "Paused",
+            format!("Kind {kind} is paused: no job of it starts until it is resumed."),
+            &p,
+        ),
+        Ok(Paused::Already(p)) => done(
+            "Already paused",
+            format!("Kind {kind} was already paused; nothing changed."),
+            &p,
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn resume(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(kind): Path<String>,
+    Form(form): Form<KindForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    match act::resume_kind(&ui, who.actor(Source::Dashboard), kind.clone()).await {
+        Ok(p) => done("Resumed", format!("Kind {kind} is resumed."), &p),
+        Err(e) => e.into_response(),
+    }
 }

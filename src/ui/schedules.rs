@@ -4,10 +4,11 @@
 //! The actions are admitted exactly as the retries are ([`Ui::admit`]:
 //! actions on, this process's CSRF token; the origin check and basic auth
 //! are the router's) and call the functions `almanac schedules
-//! pause|resume|trigger` calls ([`controls`]), on the definition the
-//! scheduler last synced, so their rules are those of the CLI. The
-//! operator recorded is `dashboard`, or `USER (dashboard)` behind basic
-//! auth. Each is idempotent (a second pause says since when, a second
+//! pause|resume|trigger` calls ([`crate::control::schedules`], through
+//! [`super::act`]), on the definition the scheduler last synced, so their
+//! rules are those of the CLI and each writes its audit row. The operator
+//! recorded is `USER (dashboard)` behind basic auth, else
+//! `anonymous (dashboard)`. Each is idempotent (a second pause says since when, a second
 //! trigger finds the run), so the result is a page, not a redirect.
 //!
 //! The definitions are the ones last synced to the database (what the
@@ -18,7 +19,6 @@
 use std::collections::{BTreeMap, HashMap};
 
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Form;
 use chrono::{DateTime, Utc};
@@ -26,9 +26,11 @@ use chrono_tz::Tz;
 use maud::{html, Markup};
 use serde::Deserialize;
 
+use super::act::{self, Who};
 use super::view::{age, csrf, dash, enc, layout, time};
 use super::{Page, Ui, UiError};
 use crate::config::HumanDuration;
+use crate::control::Source;
 use crate::scheduler::backfill::db_now;
 use crate::scheduler::controls::{self, ControlError, Pause, Paused, Triggered};
 use crate::scheduler::history::{self, CellState, Synced};
@@ -185,30 +187,8 @@ impl From<ControlError> for UiError {
     }
 }
 
-/// Who acts: `dashboard`, or `USER (dashboard)` when basic auth (already
-/// checked by the HTTP layer) names the user.
-fn operator(headers: &HeaderMap) -> String {
-    use base64::Engine as _;
-    headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Basic "))
-        .and_then(|b| {
-            base64::engine::general_purpose::STANDARD
-                .decode(b.trim())
-                .ok()
-        })
-        .and_then(|d| String::from_utf8(d).ok())
-        .and_then(|d| d.split_once(':').map(|(user, _)| user.to_string()))
-        .filter(|user| !user.is_empty())
-        .map_or_else(
-            || "dashboard".to_string(),
-            |user| format!("{user} (dashboard)"),
-        )
-}
-
 /// The synced definition of `name`: what the scheduler runs.
-async fn synced(conn: &mut sqlx::PgConnection, name: &str) -> Result<Schedule, UiError> {
+pub(super) async fn synced(conn: &mut sqlx::PgConnection, name: &str) -> Result<Schedule, UiError> {
     history::synced_one(conn, name)
         .await?
         .ok_or_else(|| UiError::NotFound(format!("No schedule named `{name}` has been synced.")))?
@@ -227,22 +207,15 @@ fn done(name: &str, title: &str, message: String) -> Response {
 
 pub(super) async fn pause(
     State(ui): State<Ui>,
+    who: Who,
     Path(name): Path<String>,
-    headers: HeaderMap,
     Form(form): Form<ControlForm>,
 ) -> Response {
     if let Err(e) = ui.admit(form.csrf.as_deref()) {
         return e.into_response();
     }
-    let by = operator(&headers);
     let note = form.note.unwrap_or_default();
-    let result = async {
-        let mut conn = ui.pool.acquire().await?;
-        let schedule = synced(&mut conn, &name).await?;
-        Ok::<_, UiError>(controls::pause(&mut conn, &schedule, note.trim(), &by, None).await?)
-    }
-    .await;
-    match result {
+    match act::pause_schedule(&ui, who.actor(Source::Dashboard), name.clone(), note).await {
         Ok(Paused::Now(p)) => {
             tracing::info!(schedule = %name, by = %p.by, "dashboard: paused a schedule");
             done(&name, "Paused", format!("{name}: {}", pause_text(&p)))
@@ -258,23 +231,16 @@ pub(super) async fn pause(
 
 pub(super) async fn resume(
     State(ui): State<Ui>,
+    who: Who,
     Path(name): Path<String>,
-    headers: HeaderMap,
     Form(form): Form<ControlForm>,
 ) -> Response {
     if let Err(e) = ui.admit(form.csrf.as_deref()) {
         return e.into_response();
     }
-    let by = operator(&headers);
-    let result = async {
-        let mut conn = ui.pool.acquire().await?;
-        synced(&mut conn, &name).await?;
-        Ok::<_, UiError>(controls::resume(&mut conn, &name, &by, None).await?)
-    }
-    .await;
-    match result {
+    match act::resume_schedule(&ui, who.actor(Source::Dashboard), name.clone()).await {
         Ok(Some(p)) => {
-            tracing::info!(schedule = %name, by = %by, "dashboard: resumed a schedule");
+            tracing::info!(schedule = %name, "dashboard: resumed a schedule");
             done(
                 &name,
                 "Resumed",
@@ -292,23 +258,15 @@ pub(super) async fn resume(
 
 pub(super) async fn trigger(
     State(ui): State<Ui>,
+    who: Who,
     Path(name): Path<String>,
     Form(form): Form<ControlForm>,
 ) -> Response {
     if let Err(e) = ui.admit(form.csrf.as_deref()) {
         return e.into_response();
     }
-    let logical_run = form
-        .logical_run
-        .map(|r| r.trim().to_string())
-        .filter(|r| !r.is_empty());
-    let result = async {
-        let mut conn = ui.pool.acquire().await?;
-        let schedule = synced(&mut conn, &name).await?;
-        Ok::<_, UiError>(controls::trigger(&mut conn, &schedule, logical_run.as_deref()).await?)
-    }
-    .await;
-    match result {
+    let actor = who.actor(Source::Dashboard);
+    match act::trigger_schedule(&ui, actor, name.clone(), form.logical_run).await {
         Ok(Triggered::Emitted { run, job_id }) => {
             tracing::info!(schedule = %name, logical_run = %run.logical_run, job_id, "dashboard: triggered a run");
             let body = html! {

@@ -5,12 +5,13 @@ use maud::{html, Markup, PreEscaped, DOCTYPE};
 
 use crate::queue::JobStatus;
 
-const NAV: [(&str, &str); 5] = [
+const NAV: [(&str, &str); 6] = [
     ("/", "Overview"),
     ("/jobs", "Jobs"),
     ("/dead", "Dead letters"),
     ("/schedules", "Schedules"),
     ("/routes", "Routes"),
+    ("/audit", "Audit"),
 ];
 
 /// A whole page; `refresh` turns on the auto-refresh (the reader can stop it).
@@ -126,7 +127,7 @@ pub fn csrf(token: &str) -> Markup {
 pub fn read_only_note() -> Markup {
     html! {
         p .note #read-only {
-            "Read-only: start " code { "almanac run --ui-actions" } " to retry from here."
+            "Read-only: start " code { "almanac run --ui-actions" } " to act from here."
         }
     }
 }
