@@ -306,8 +306,10 @@ async fn write_route(
     .await?;
     if let Some(actor) = actor {
         let target = format!("kind {kind}");
-        let note = match (&route.sink, &route.destination) {
-            (Some(sink), Some(dest)) => format!("mode {} via {sink} `{dest}`", route.mode),
+        let note = match (mode, &route.sink, &route.destination) {
+            (RouteMode::Dual | RouteMode::Broker, Some(sink), Some(dest)) => {
+                format!("mode {} via {sink} `{dest}`", route.mode)
+            }
             _ => format!("mode {}", route.mode),
         };
         let action = crate::control::audit::Action {

@@ -18,6 +18,7 @@
 mod harness;
 
 mod alerts;
+mod api;
 mod broker_backlog;
 mod cli;
 mod cli_broker;

@@ -1176,7 +1176,7 @@ async fn schedules_are_paused_resumed_and_triggered_from_the_dashboard(pool: PgP
     assert_eq!(status, 200, "{body}");
     assert!(
         body.contains("every5: paused since ")
-            && body.contains(" by dashboard: warehouse migration"),
+            && body.contains(" by anonymous (dashboard): warehouse migration"),
         "{body}"
     );
     let (_, body) = post(
@@ -1191,13 +1191,17 @@ async fn schedules_are_paused_resumed_and_triggered_from_the_dashboard(pool: PgP
     );
     assert_eq!(
         pauses().await,
-        vec![("warehouse migration".into(), "dashboard".into(), None)]
+        vec![(
+            "warehouse migration".into(),
+            "anonymous (dashboard)".into(),
+            None
+        )]
     );
     let page = harness::http::get(&addr, "/schedules").await.unwrap().body;
     assert!(
         page.contains(r#"action="/schedules/every5/resume""#)
             && !page.contains(r#"action="/schedules/every5/pause""#)
-            && page.contains("by dashboard: warehouse migration"),
+            && page.contains("by anonymous (dashboard): warehouse migration"),
         "{page}"
     );
 
@@ -1217,8 +1221,8 @@ async fn schedules_are_paused_resumed_and_triggered_from_the_dashboard(pool: PgP
         pauses().await,
         vec![(
             "warehouse migration".into(),
-            "dashboard".into(),
-            Some("dashboard".into())
+            "anonymous (dashboard)".into(),
+            Some("anonymous (dashboard)".into())
         )]
     );
 
@@ -1257,6 +1261,33 @@ async fn schedules_are_paused_resumed_and_triggered_from_the_dashboard(pool: PgP
         )
         .await,
         1
+    );
+    // One audit row per action that did or found something; the refusals
+    // and the resume of a schedule that was not paused left none.
+    let audit: Vec<(String, String, String, String, i64)> = sqlx::query_as(
+        "SELECT actor, source, action, target, count FROM almanac.audit_log ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let row = |action: &str, count: i64| {
+        (
+            "anonymous".to_string(),
+            "dashboard".to_string(),
+            action.to_string(),
+            "schedule every5".to_string(),
+            count,
+        )
+    };
+    assert_eq!(
+        audit,
+        vec![
+            row("pause", 1),
+            row("pause", 0),
+            row("resume", 1),
+            row("trigger", 1),
+            row("trigger", 0)
+        ]
     );
 }
 
