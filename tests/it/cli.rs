@@ -312,7 +312,7 @@ async fn pause_shows_in_list_until_resumed_and_trigger_twice_emits_once(pool: Pg
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
         text(&out.stdout).contains("paused since")
-            && text(&out.stdout).contains("by alice: deploy freeze"),
+            && text(&out.stdout).contains("by alice (cli): deploy freeze"),
         "{}",
         text(&out.stdout)
     );
@@ -326,11 +326,11 @@ async fn pause_shows_in_list_until_resumed_and_trigger_twice_emits_once(pool: Pg
     let list = with_dir(&url, &dir, &["schedules", "list"]);
     let listed = text(&list.stdout);
     assert!(listed.contains("PAUSED"), "{listed}");
-    assert!(listed.contains("by alice: deploy freeze"), "{listed}");
+    assert!(listed.contains("by alice (cli): deploy freeze"), "{listed}");
     let json = with_dir(&url, &dir, &["schedules", "list", "--json"]);
     let row: serde_json::Value = serde_json::from_str(&text(&json.stdout)).unwrap();
     assert_eq!(row["paused"]["note"], "deploy freeze");
-    assert_eq!(row["paused"]["by"], "alice");
+    assert_eq!(row["paused"]["by"], "alice (cli)");
 
     let resumed = with_dir(&url, &dir, &["schedules", "resume", "every5"]);
     assert!(resumed.status.success());

@@ -1358,7 +1358,8 @@ async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
     click("tr[data-name='every5'] button.pause").await;
     let flash = text(&c, "#flash").await;
     assert!(
-        flash.starts_with("every5: paused since") && flash.ends_with("by dashboard: quarter close"),
+        flash.starts_with("every5: paused since")
+            && flash.ends_with("by anonymous (dashboard): quarter close"),
         "{flash}"
     );
     assert_eq!(
@@ -1373,7 +1374,7 @@ async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
     c.goto(&format!("{base}/schedules/every5")).await.unwrap();
     assert!(text(&c, "#paused")
         .await
-        .ends_with("by dashboard: quarter close"));
+        .ends_with("by anonymous (dashboard): quarter close"));
     shot(&c, "schedule-actions").await;
     click("#actions button.resume").await;
     assert!(text(&c, "#flash")
@@ -1401,6 +1402,94 @@ async fn schedule_buttons_work_in_a_browser(pool: PgPool) {
         .unwrap()
         .path()
         .ends_with(&format!("/jobs/{job}")));
+    c.close().await.unwrap();
+}
+
+/// The kinds' Pause (with a note) and Resume buttons and a job's Cancel
+/// button in a real browser; each action is on `/audit` as the browser's
+/// (anonymous) operator.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kind_and_cancel_buttons_work_in_a_browser(pool: PgPool) {
+    exec(
+        &pool,
+        "INSERT INTO almanac.jobs (kind, run_at) VALUES ('mail', now() + interval '1 hour')",
+    )
+    .await;
+    let id = count(&pool, "SELECT max(id) FROM almanac.jobs").await;
+    let (_almanac, addr) = serve(&pool, true).await;
+    let (_driver, c) = browser().await;
+    let base = format!("http://{addr}");
+    let click = |css: &'static str| {
+        let c = &c;
+        async move {
+            c.find(Locator::Css(css))
+                .await
+                .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+                .click()
+                .await
+                .unwrap();
+        }
+    };
+    c.goto(&format!("{base}/")).await.unwrap();
+    assert!(text(&c, "#no-paused").await.contains("No kind is paused"));
+    c.find(Locator::Css("tr[data-kind='mail'] input[name='note']"))
+        .await
+        .unwrap()
+        .send_keys("smtp outage")
+        .await
+        .unwrap();
+    click("tr[data-kind='mail'] button.pause").await;
+    assert!(text(&c, "#flash").await.starts_with("Kind mail is paused"));
+    c.goto(&format!("{base}/")).await.unwrap();
+    shot(&c, "overview-paused").await;
+    assert!(text(&c, "#paused tr[data-kind='mail'] .note")
+        .await
+        .contains("smtp outage"));
+    assert_eq!(
+        text(&c, "#paused tr[data-kind='mail'] .by").await,
+        "anonymous (dashboard)"
+    );
+    click("#paused tr[data-kind='mail'] button.resume").await;
+    assert!(text(&c, "#flash")
+        .await
+        .starts_with("Kind mail is resumed."));
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.kind_pauses").await,
+        0
+    );
+
+    c.goto(&format!("{base}/jobs/{id}")).await.unwrap();
+    c.find(Locator::Css("form.cancel input[name='reason']"))
+        .await
+        .unwrap()
+        .send_keys("sent twice")
+        .await
+        .unwrap();
+    click("#cancel").await;
+    assert_eq!(text(&c, "#flash").await, "Cancelled.");
+    assert!(text(&c, "#cancel-info").await.contains("sent twice"));
+    assert_eq!(
+        count(
+            &pool,
+            &format!("SELECT count(*) FROM almanac.jobs WHERE id = {id} AND status = 'cancelled'")
+        )
+        .await,
+        1
+    );
+
+    c.goto(&format!("{base}/audit")).await.unwrap();
+    shot(&c, "audit").await;
+    let actions: Vec<String> = {
+        let mut out = Vec::new();
+        for cell in c.find_all(Locator::Css("#audit td.action")).await.unwrap() {
+            out.push(cell.text().await.unwrap());
+        }
+        out
+    };
+    assert_eq!(actions, ["cancel", "resume", "pause"]);
+    assert!(text(&c, "#audit tbody tr:first-child .note")
+        .await
+        .contains("sent twice"));
     c.close().await.unwrap();
 }
 
