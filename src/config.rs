@@ -30,8 +30,9 @@ pub struct Config {
     pub http_addr: Option<HttpAddr>,
     /// `USER:PASSWORD` guarding the HTTP endpoint; never logged.
     pub http_basic_auth: Option<String>,
-    /// Let the dashboard retry dead jobs and pause, resume or trigger
-    /// schedules (`--ui-actions`); default read-only.
+    /// Let the dashboard and the JSON API act: retry and cancel jobs, pause
+    /// and resume kinds, pause, resume or trigger schedules
+    /// (`--ui-actions`); default read-only.
     pub ui_actions: Option<bool>,
     #[serde(default)]
     pub worker: WorkerSection,

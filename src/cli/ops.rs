@@ -24,9 +24,9 @@ pub struct HttpFlags {
 /// `almanac run`'s dashboard switches.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UiFlags {
-    /// Let the dashboard retry dead jobs and pause, resume or trigger
-    /// schedules (POST forms with a CSRF token);
-    /// without it the dashboard is read-only [default: off].
+    /// Let the dashboard (POST forms with a CSRF token) and the JSON API
+    /// retry and cancel jobs, pause and resume kinds, and pause, resume or
+    /// trigger schedules; without it both are read-only [default: off].
     #[arg(long, env = "ALMANAC_UI_ACTIONS", num_args = 0..=1, default_missing_value = "true", value_name = "BOOL",
           value_parser = clap::builder::BoolishValueParser::new())]
     pub ui_actions: Option<bool>,

@@ -1,5 +1,6 @@
 //! The web dashboard `almanac run` serves at `/` on `--http-addr`: the
-//! queue, dead letters, schedules with their run calendar, and routes.
+//! queue, paused kinds, dead letters, schedules with their run calendar,
+//! routes and the audit log; and the JSON API under `/api/v1` ([`api`]).
 //!
 //! Server-rendered HTML ([maud]); one small stylesheet and a few lines of
 //! plain JavaScript (auto-refresh, nothing else) are compiled into the
@@ -8,12 +9,18 @@
 //! **Guarantees.**
 //! - *Read-only unless `--ui-actions`.* Pages are `GET`s that read inside a
 //!   `READ ONLY` transaction with a 5 s `statement_timeout`. The only writes
-//!   are the operator retries (one dead job, or every dead job of a group
-//!   after a confirmation page showing how many) and a schedule's pause,
-//!   resume and trigger (the CLI's functions, see [`schedules`]), which are `POST`s and are
-//!   refused with 403 and a message saying how to turn them on unless the
-//!   process was started with `--ui-actions` (`ALMANAC_UI_ACTIONS`,
-//!   `ui_actions` in `almanac.toml`). Without it no action form is rendered.
+//!   are the operator's actions ([`act`], shared with the API): retry one
+//!   job or a dead-letter group (after a confirmation page showing how
+//!   many), cancel a job, pause and resume a kind, and a schedule's pause,
+//!   resume and trigger. They are `POST`s, refused with 403 and a message
+//!   saying how to turn them on unless the process was started with
+//!   `--ui-actions` (`ALMANAC_UI_ACTIONS`, `ui_actions` in `almanac.toml`).
+//!   Without it no action form is rendered.
+//! - *One audit row per action.* Each action goes through
+//!   [`crate::control`], which writes its row in the action's own
+//!   transaction; the actor is the basic-auth user the HTTP layer admitted
+//!   ([`crate::http::AuthUser`]), never a name a request claims, or
+//!   `anonymous` on loopback without auth.
 //! - *CSRF.* Each process draws a random 256-bit token at start and embeds
 //!   it in every action form; a `POST` whose `csrf` field does not equal it
 //!   (compared in constant time) is refused with 403. Another site can make
