@@ -1,6 +1,6 @@
 //! The web dashboard `almanac run` serves at `/` on `--http-addr`: the
 //! queue, paused kinds, dead letters, schedules with their run calendar,
-//! routes and the audit log; and the JSON API under `/api/v1` ([`api`]).
+//! routes and the audit log; and the JSON API under `/api/v1` (`api.rs`).
 //!
 //! Server-rendered HTML ([maud]); one small stylesheet and a few lines of
 //! plain JavaScript (auto-refresh, nothing else) are compiled into the
@@ -9,7 +9,7 @@
 //! **Guarantees.**
 //! - *Read-only unless `--ui-actions`.* Pages are `GET`s that read inside a
 //!   `READ ONLY` transaction with a 5 s `statement_timeout`. The only writes
-//!   are the operator's actions ([`act`], shared with the API): retry one
+//!   are the operator's actions (`act.rs`, shared with the API): retry one
 //!   job or a dead-letter group (after a confirmation page showing how
 //!   many), cancel a job, pause and resume a kind, and a schedule's pause,
 //!   resume and trigger. They are `POST`s, refused with 403 and a message
