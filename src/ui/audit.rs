@@ -53,7 +53,7 @@ pub(super) async fn page(State(ui): State<Ui>, Query(aq): Query<AuditQuery>) -> 
                             td .action { (e.action) }
                             td .target { (e.target) }
                             td .num .count { (e.count) }
-                            td .note { @match &e.note { Some(n) => (n), None => (dash()) } }
+                            td .audit-note { @match &e.note { Some(n) => (n), None => (dash()) } }
                         }
                     }
                 }

@@ -88,7 +88,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                                 td { span .badge .paused { "paused" } " " code { (p.kind) } }
                                 td { (time(p.paused_at)) }
                                 td .by { (p.paused_by) }
-                                td .note { (p.note.as_deref().unwrap_or("")) }
+                                td .pause-note { (p.note.as_deref().unwrap_or("")) }
                                 @if ui.actions { td { (resume_form(&ui, &p.kind)) } }
                             }
                         }

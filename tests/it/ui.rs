@@ -1442,7 +1442,7 @@ async fn kind_and_cancel_buttons_work_in_a_browser(pool: PgPool) {
     assert!(text(&c, "#flash").await.starts_with("Kind mail is paused"));
     c.goto(&format!("{base}/")).await.unwrap();
     shot(&c, "overview-paused").await;
-    assert!(text(&c, "#paused tr[data-kind='mail'] .note")
+    assert!(text(&c, "#paused tr[data-kind='mail'] .pause-note")
         .await
         .contains("smtp outage"));
     assert_eq!(
@@ -1487,7 +1487,7 @@ async fn kind_and_cancel_buttons_work_in_a_browser(pool: PgPool) {
         out
     };
     assert_eq!(actions, ["cancel", "resume", "pause"]);
-    assert!(text(&c, "#audit tbody tr:first-child .note")
+    assert!(text(&c, "#audit tbody tr:first-child .audit-note")
         .await
         .contains("sent twice"));
     c.close().await.unwrap();
