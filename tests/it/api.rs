@@ -293,6 +293,8 @@ async fn every_read_endpoint_answers_its_documented_shape(pool: PgPool) {
     // A path that is no endpoint.
     let error = s.get("/api/v1/nothing").await.error(404);
     assert!(error.contains("no such endpoint"), "{error}");
+    let error = s.get("/api/v1/kinds/mail/pause").await.error(405);
+    assert!(error.contains("actions are POST"), "{error}");
     s.stop().await;
 }
 

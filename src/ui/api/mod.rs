@@ -26,14 +26,13 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::act::{self, job_id, Who};
+use super::act::job_id;
 use super::{Ui, UiError};
-use crate::control::pause::{self, Paused};
-use crate::control::{audit, Source};
-use crate::queue::browse::{self, DeadFilter, JobQuery};
-use crate::queue::{self, Cancel, JobStatus};
+use crate::control::audit;
+use crate::control::pause;
+use crate::queue::browse::{self, JobQuery};
+use crate::queue::{self, JobStatus};
 use crate::scheduler::backfill::db_now;
-use crate::scheduler::controls::{Paused as SchedulePaused, Triggered};
 use crate::scheduler::history;
 use crate::stats::{snapshot, Snapshot};
 
@@ -43,6 +42,12 @@ const MAX_JOBS: i64 = 500;
 const DEAD_GROUPS: i64 = 200;
 const DEFAULT_AUDIT: i64 = 50;
 const MAX_AUDIT: i64 = 1_000;
+
+mod actions;
+use actions::{
+    cancel, pause_kind, pause_schedule, resume_kind, resume_schedule, retry, retry_group,
+    trigger_schedule,
+};
 
 pub(super) fn router() -> Router<Ui> {
     Router::new()
@@ -63,6 +68,14 @@ pub(super) fn router() -> Router<Ui> {
         .route("/kinds/{kind}/resume", post(resume_kind))
         .route("/audit", get(audit_log))
         .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
+}
+
+async fn wrong_method() -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "wrong method: reads are GET, actions are POST (see README.md, JSON API)",
+    )
 }
 
 /// `{"error": message}` with `status`.
@@ -320,199 +333,4 @@ async fn audit_log(State(ui): State<Ui>, Query(aq): Query<AuditQuery>) -> Answer
     Ok(Json(
         json!({ "entries": entries, "next_before": next_before }),
     ))
-}
-
-/// Unwraps an action's body or answers with its refusal.
-macro_rules! body_or_refuse {
-    ($headers:expr, $bytes:expr) => {
-        match body(&$headers, &$bytes) {
-            Ok(b) => b,
-            Err((status, message)) => return Ok(error(status, &message)),
-        }
-    };
-}
-
-type Acted = Result<Response, ApiError>;
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Empty {}
-
-async fn retry(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let Empty {} = body_or_refuse!(headers, bytes);
-    let id = job_id(&id)?;
-    let job = act::retry(&ui, who.actor(Source::Api), id).await?;
-    Ok(Json(json!({ "outcome": "retried", "job": job })).into_response())
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CancelBody {
-    reason: Option<String>,
-}
-
-async fn cancel(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let CancelBody { reason } = body_or_refuse!(headers, bytes);
-    let id = job_id(&id)?;
-    Ok(
-        match act::cancel(&ui, who.actor(Source::Api), id, reason).await? {
-            Cancel::Cancelled(job) => {
-                Json(json!({ "outcome": "cancelled", "job": job })).into_response()
-            }
-            Cancel::Requested(job) => {
-                Json(json!({ "outcome": "stop_requested", "job": job })).into_response()
-            }
-            Cancel::Finished(job) => error(
-                StatusCode::CONFLICT,
-                &format!(
-                    "job {id} had already finished ({}): nothing changed",
-                    job.status
-                ),
-            ),
-        },
-    )
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GroupBody {
-    kind: Option<String>,
-    /// The exact first line of the error (`""`: dead without an error).
-    error: Option<String>,
-}
-
-async fn retry_group(State(ui): State<Ui>, who: Who, headers: HeaderMap, bytes: Bytes) -> Acted {
-    let GroupBody { kind, error } = body_or_refuse!(headers, bytes);
-    let group = DeadFilter {
-        kind: kind.filter(|k| !k.trim().is_empty()),
-        error,
-    };
-    let n = act::retry_group(&ui, who.actor(Source::Api), group).await?;
-    Ok(Json(json!({ "outcome": "retried", "retried": n })).into_response())
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NoteBody {
-    note: Option<String>,
-}
-
-async fn pause_kind(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(kind): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let NoteBody { note } = body_or_refuse!(headers, bytes);
-    Ok(
-        match act::pause_kind(&ui, who.actor(Source::Api), kind, note).await? {
-            Paused::Now(p) => Json(json!({ "outcome": "paused", "pause": p })),
-            Paused::Already(p) => Json(json!({ "outcome": "already_paused", "pause": p })),
-        }
-        .into_response(),
-    )
-}
-
-async fn resume_kind(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(kind): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let Empty {} = body_or_refuse!(headers, bytes);
-    let lifted = act::resume_kind(&ui, who.actor(Source::Api), kind).await?;
-    Ok(Json(json!({ "outcome": "resumed", "pause": lifted })).into_response())
-}
-
-async fn pause_schedule(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let NoteBody { note } = body_or_refuse!(headers, bytes);
-    let note = note.unwrap_or_default();
-    let (outcome, p) = match act::pause_schedule(&ui, who.actor(Source::Api), name, note).await? {
-        SchedulePaused::Now(p) => ("paused", p),
-        SchedulePaused::Already(p) => ("already_paused", p),
-    };
-    Ok(Json(json!({
-        "outcome": outcome,
-        "pause": {"schedule": p.schedule, "since": p.since, "by": p.by, "note": p.note},
-    }))
-    .into_response())
-}
-
-async fn resume_schedule(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let Empty {} = body_or_refuse!(headers, bytes);
-    match act::resume_schedule(&ui, who.actor(Source::Api), name.clone()).await? {
-        Some(p) => Ok(Json(json!({
-            "outcome": "resumed",
-            "pause": {"schedule": p.schedule, "since": p.since, "by": p.by, "note": p.note},
-        }))
-        .into_response()),
-        None => Ok(error(
-            StatusCode::CONFLICT,
-            &format!("schedule {name} is not paused; nothing changed"),
-        )),
-    }
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TriggerBody {
-    logical_run: Option<String>,
-}
-
-async fn trigger_schedule(
-    State(ui): State<Ui>,
-    who: Who,
-    Path(name): Path<String>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Acted {
-    let TriggerBody { logical_run } = body_or_refuse!(headers, bytes);
-    Ok(
-        match act::trigger_schedule(&ui, who.actor(Source::Api), name, logical_run).await? {
-            Triggered::Emitted { run, job_id } => Json(json!({
-                "outcome": "emitted",
-                "logical_run": run.logical_run,
-                "fire_at": run.fire_at,
-                "job_id": job_id,
-            })),
-            Triggered::Existed {
-                run,
-                source,
-                job_id,
-            } => Json(json!({
-                "outcome": "existed",
-                "logical_run": run.logical_run,
-                "fire_at": run.fire_at,
-                "recorded_by": source,
-                "job_id": job_id,
-            })),
-        }
-        .into_response(),
-    )
 }
