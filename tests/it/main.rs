@@ -30,6 +30,7 @@ mod leader;
 mod leader_faults;
 mod migration;
 mod ops;
+mod pause;
 mod queue;
 mod redrive_gate;
 mod relay;
