@@ -19,6 +19,7 @@ mod harness;
 
 mod alerts;
 mod broker_backlog;
+mod bulk;
 mod cli;
 mod cli_broker;
 mod compose;
