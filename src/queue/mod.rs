@@ -40,6 +40,7 @@ mod admin;
 mod backoff;
 pub mod browse;
 mod enqueue;
+mod interrupt;
 mod lease;
 mod retention;
 pub mod routing;
@@ -54,6 +55,7 @@ pub use admin::{
 };
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
+pub use interrupt::{cancel_requests, snooze, CancelRequest};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
     statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, Written, CLAIM_SQL,

@@ -55,7 +55,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -67,13 +67,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
+mod cancels;
 mod record;
 
 use record::{record, Outcome, Write};
 
 use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
 use crate::metrics::{Metrics, Outcome as Counted};
-use crate::queue::{self, Job, QueueError};
+use crate::queue::{self, CancelRequest, Failure, Job, QueueError};
 use crate::role::Valid;
 
 /// How long before the lease may run out the executor cancels a handler
@@ -81,6 +82,11 @@ use crate::role::Valid;
 pub fn lease_margin(lease: Duration) -> Duration {
     lease / 5
 }
+
+/// How long a handler whose job an operator cancelled may take to return
+/// after its [`JobContext::cancelled`] fired before it is dropped (a command
+/// is killed at once): so a cancel stops every handler within 2 s.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 /// How a claimed job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +100,11 @@ pub enum Executed {
     Lost,
     /// Given back to `ready` at shutdown.
     Released,
+    /// Stopped on an operator's cancel request, and recorded `cancelled`.
+    Cancelled,
+    /// Put back for later by its handler ([`HandlerError::Snooze`]), its
+    /// attempt given back.
+    Snoozed,
 }
 
 /// What a worker (or a consumer's executions) did before it stopped.
@@ -107,6 +118,10 @@ pub struct WorkerReport {
     pub lost: u64,
     /// Jobs given back to `ready` at shutdown.
     pub released: u64,
+    /// Jobs stopped on an operator's cancel request.
+    pub cancelled: u64,
+    /// Jobs their handlers put back for later.
+    pub snoozed: u64,
 }
 
 #[derive(Default)]
@@ -116,6 +131,8 @@ struct Counters {
     dead: AtomicU64,
     lost: AtomicU64,
     released: AtomicU64,
+    cancelled: AtomicU64,
+    snoozed: AtomicU64,
 }
 
 impl Counters {
@@ -126,6 +143,8 @@ impl Counters {
             dead: self.dead.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            snoozed: self.snoozed.load(Ordering::Relaxed),
         }
     }
 }
@@ -136,6 +155,10 @@ struct Flight {
     kind: String,
     attempt: i32,
     cancel: CancellationToken,
+    /// An operator's cancel request, once this process learnt of it.
+    requested: Option<CancelRequest>,
+    /// What [`JobContext::cancel_requested`] reads.
+    requested_flag: Arc<AtomicBool>,
     /// When the last successful renewal (or the claim) was sent.
     renewed: Instant,
     /// The local lease deadline, `renewed + lease - margin`, as the handler
@@ -205,6 +228,8 @@ struct State {
     outcomes: Option<mpsc::UnboundedSender<Outcome>>,
     recorder: Option<JoinHandle<()>>,
     heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
+    /// The cancel listener ([`cancels`]); stops with the heartbeat.
+    listener: Option<JoinHandle<()>>,
 }
 
 /// Dropped with the last handle (say, an embedding application's timeout
@@ -245,6 +270,10 @@ impl Executor {
         let recorder = tokio::spawn(record(inner.clone(), rx));
         let stop = CancellationToken::new();
         let heartbeat = tokio::spawn(heartbeat(inner.clone(), stop.clone()));
+        let listener = inner
+            .config
+            .listen
+            .then(|| tokio::spawn(cancels::listen(inner.clone(), stop.clone())));
         Executor {
             inner,
             state: Arc::new(Mutex::new(State {
@@ -253,6 +282,7 @@ impl Executor {
                 outcomes: Some(outcomes),
                 recorder: Some(recorder),
                 heartbeat: Some((heartbeat, stop)),
+                listener,
             })),
         }
     }
@@ -306,6 +336,7 @@ impl Executor {
         };
         let token = job.lease_token.expect("a claimed job holds a lease");
         let cancel = CancellationToken::new();
+        let requested_flag = Arc::new(AtomicBool::new(false));
         let (reply, rx) = oneshot::channel();
         let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
         let displaced = self.inner.flights().insert(
@@ -315,6 +346,8 @@ impl Executor {
                 kind: job.kind.clone(),
                 attempt: job.attempts,
                 cancel: cancel.clone(),
+                requested: None,
+                requested_flag: requested_flag.clone(),
                 renewed: sent,
                 deadline,
                 started: Instant::now(),
@@ -339,7 +372,9 @@ impl Executor {
             }
         }
         while state.tasks.try_join_next().is_some() {}
-        let ctx = JobContext::new(job, cancel.clone()).with_deadline(deadlines, self.inner.margin);
+        let ctx = JobContext::new(job, cancel.clone())
+            .with_deadline(deadlines, self.inner.margin)
+            .with_cancel_flag(requested_flag);
         state.tasks.spawn(execute(
             self.inner.clone(),
             ctx,
@@ -381,7 +416,7 @@ impl Executor {
 
     /// Stops as the module doc says; a second call only reports.
     pub async fn shutdown(&self) -> WorkerReport {
-        let (mut tasks, recorder, heartbeat) = {
+        let (mut tasks, recorder, heartbeat, listener) = {
             let mut state = self.state();
             state.closed = true;
             // Running tasks hold their own senders; the channel closes when
@@ -391,6 +426,7 @@ impl Executor {
                 std::mem::take(&mut state.tasks),
                 state.recorder.take(),
                 state.heartbeat.take(),
+                state.listener.take(),
             )
         };
         // Should this future be dropped half-way, the heartbeat stops with
@@ -426,6 +462,12 @@ impl Executor {
             drop(stop);
             let _ = heartbeat.await;
         }
+        if let Some(listener) = listener {
+            // Stopped with the heartbeat; should that have stopped already
+            // (a second handle's shutdown), it is stopped here.
+            listener.abort();
+            let _ = listener.await;
+        }
         self.report()
     }
 }
@@ -450,6 +492,55 @@ impl Inner {
             .filter(|f| f.token == token)
             .map(|f| f.renewed);
         renewed.map_or_else(Instant::now, |at| self.local_deadline(at))
+    }
+
+    /// The cancel request of `id`'s flight under `token`, if it has one.
+    fn cancel_request(&self, id: i64, token: Uuid) -> Option<CancelRequest> {
+        self.flights()
+            .get(&id)
+            .filter(|f| f.token == token)
+            .and_then(|f| f.requested.clone())
+    }
+
+    /// How long a cancelled handler of `id` may take to return before it is
+    /// dropped: a lease margin, or at most [`CANCEL_GRACE`] when an operator
+    /// cancelled the job.
+    fn grace(&self, id: i64, token: Uuid) -> Duration {
+        match self.cancel_request(id, token) {
+            Some(_) => self.margin.min(CANCEL_GRACE),
+            None => self.margin,
+        }
+    }
+
+    /// Acts on an operator's cancel request: if `request` names a job in
+    /// flight here that has not had it yet, its handler is cancelled.
+    /// Returns whether it was.
+    fn request_cancel(&self, request: CancelRequest) -> bool {
+        let mut flights = self.flights();
+        let Some(flight) = flights
+            .get_mut(&request.id)
+            .filter(|f| f.requested.is_none())
+        else {
+            return false;
+        };
+        info!(
+            job_id = request.id,
+            kind = %flight.kind,
+            request = %request,
+            "cancel requested; stopping the handler"
+        );
+        flight.requested_flag.store(true, Ordering::Release);
+        flight.requested = Some(request);
+        flight.cancel.cancel();
+        true
+    }
+
+    /// The leases in flight, as `(id, token)`.
+    fn leases(&self) -> Vec<(i64, Uuid)> {
+        self.flights()
+            .iter()
+            .map(|(id, f)| (*id, f.token))
+            .collect()
     }
 
     /// The local lease deadline of a lease renewed (or claimed) by a
@@ -501,6 +592,26 @@ impl Inner {
                 c.released.fetch_add(1, Ordering::Relaxed);
                 info!(job_id = id, kind, attempt, "job released back to ready");
             }
+            Executed::Cancelled => {
+                c.cancelled.fetch_add(1, Ordering::Relaxed);
+                info!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    request = detail,
+                    "job cancelled: its handler was stopped"
+                );
+            }
+            Executed::Snoozed => {
+                c.snoozed.fetch_add(1, Ordering::Relaxed);
+                info!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    detail,
+                    "job snoozed: back to ready later, its attempt given back"
+                );
+            }
         }
     }
 
@@ -516,12 +627,27 @@ impl Inner {
         let Some(mut flight) = removed else {
             return;
         };
+        let request = flight.requested.as_ref().map(ToString::to_string);
+        if let (Some(request), Executed::Completed) = (&request, executed) {
+            info!(
+                job_id = id,
+                request = %request,
+                "the handler finished before the cancel took effect; the job stays done"
+            );
+        }
+        // A cancel is logged with who asked and why.
+        let detail = match executed {
+            Executed::Cancelled => request.as_deref().or(detail),
+            _ => detail,
+        };
         self.count(id, &flight.kind, flight.attempt, executed, detail);
         let counted = match executed {
             Executed::Completed => Some(Counted::Completed),
             Executed::Retried => Some(Counted::Retried),
             Executed::Dead => Some(Counted::Dead),
             Executed::Lost => Some(Counted::LeaseLost),
+            Executed::Cancelled => Some(Counted::Cancelled),
+            Executed::Snoozed => Some(Counted::Snoozed),
             Executed::Released => None,
         };
         if let Some(counted) = counted {
@@ -560,7 +686,7 @@ async fn execute(
             result = &mut work => break Some(result),
             _ = inner.kill.cancelled() => break None,
             _ = cancel.cancelled(), if abandon_at.is_none() => {
-                abandon_at = Some(Instant::now() + inner.margin);
+                abandon_at = Some(Instant::now() + inner.grace(id, token));
             }
             _ = sleep_until(wake) => {
                 if abandon_at.is_some() {
@@ -579,27 +705,48 @@ async fn execute(
             }
         }
     };
+    // A job with a cancel request ends `cancelled` however its attempt
+    // ends but `done` (the fence's statements see to it); its `last_error`
+    // says who stopped it.
+    let requested = inner.cancel_request(id, token);
     let write = match result {
         None if inner.giving_up.is_cancelled() => Write::Release(
             "released at shutdown: the handler did not finish within the shutdown deadline".into(),
         ),
         None => {
-            inner.settle(
-                id,
-                token,
-                Executed::Lost,
-                Some("the handler ignored cancellation and was dropped at the end of its lease"),
-            );
-            return;
+            match &requested {
+                Some(request) => Write::Fail(Failure::Permanent {
+                    error: format!(
+                        "{request}; the handler did not stop within {:?} and was dropped",
+                        inner.grace(id, token)
+                    ),
+                }),
+                None => {
+                    inner.settle(
+                    id,
+                    token,
+                    Executed::Lost,
+                    Some("the handler ignored cancellation and was dropped at the end of its lease"),
+                );
+                    return;
+                }
+            }
         }
         Some(Ok(())) => Write::Complete,
+        Some(Err(HandlerError::Snooze { after })) => Write::Snooze(after),
         Some(Err(err @ HandlerError::Retry { .. })) if inner.giving_up.is_cancelled() => {
             Write::Release(format!(
                 "released at shutdown before the handler finished: {}",
                 err.chain()
             ))
         }
-        Some(Err(err)) => Write::Fail(failure_of(&err, attempt, &inner.config.backoff)),
+        Some(Err(err)) => {
+            let failure = failure_of(&err, attempt, &inner.config.backoff);
+            Write::Fail(match &requested {
+                Some(request) => noted(failure, request),
+                None => failure,
+            })
+        }
     };
     if let Some(flight) = inner.flights().get_mut(&id).filter(|f| f.token == token) {
         flight.returned = Some(Instant::now());
@@ -610,6 +757,19 @@ async fn execute(
         write,
         ambiguous: false,
     });
+}
+
+/// `failure` with `request` (who cancelled, and why) before its message.
+fn noted(failure: Failure, request: &CancelRequest) -> Failure {
+    match failure {
+        Failure::Retry { delay, error } => Failure::Retry {
+            delay,
+            error: format!("{request}; the handler ended: {error}"),
+        },
+        Failure::Permanent { error } => Failure::Permanent {
+            error: format!("{request}; the handler ended: {error}"),
+        },
+    }
 }
 
 /// Renews every lease in flight every third of the lease; cancels handlers
@@ -642,10 +802,17 @@ async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
             renewed = bounded(every, renew(&mut link, &leases, inner.config.lease)) => renewed,
         };
         let (held, busy): (HashSet<i64>, HashSet<i64>) = match renewed {
-            Ok(written) => (
-                written.ids.into_iter().collect(),
-                written.busy.into_iter().collect(),
-            ),
+            Ok(written) => {
+                // A cancel request whose NOTIFY was lost (the listener was
+                // reconnecting, or is off) is found here.
+                for request in written.cancels {
+                    inner.request_cancel(request);
+                }
+                (
+                    written.ids.into_iter().collect(),
+                    written.busy.into_iter().collect(),
+                )
+            }
             Err(err) => {
                 link.discard();
                 warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
