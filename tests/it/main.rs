@@ -19,6 +19,7 @@ mod harness;
 
 mod alerts;
 mod broker_backlog;
+mod cancel;
 mod cli;
 mod cli_broker;
 mod compose;
@@ -42,6 +43,7 @@ mod route_backlog;
 mod scheduler;
 mod schema;
 mod slow_tick;
+mod snooze;
 mod ui;
 mod unserved;
 mod worker;
