@@ -26,6 +26,17 @@
 //!   - with renewals every third of the lease, two renewals in a row (at a
 //!     third and at two thirds) can fail before a handler is cancelled, so a
 //!     single lost heartbeat never stops a healthy job.
+//! - **An operator's cancel stops the handler within 2 s, on any host.** A
+//!   listener ([`cancels`]) hears `almanac jobs cancel`'s `NOTIFY` and each
+//!   heartbeat reports cancel requests (the net for a lost notification:
+//!   within a third of the lease). The handler is cancelled at once and
+//!   dropped [`CANCEL_GRACE`] later if it has not returned (a command's
+//!   group is killed at once). Whatever it returned, or if it was dropped,
+//!   the job is recorded `cancelled` ([`Executed::Cancelled`]); if it
+//!   returned `Ok` first, `done` is the truth and stays.
+//! - **Snooze.** A handler's [`HandlerError::Snooze`] is written by
+//!   [`queue::snooze`]: `ready` later, the attempt given back
+//!   ([`Executed::Snoozed`]).
 //! - **Handlers see the deadline.** Each renewal moves the job's local
 //!   deadline, and the handler is told through
 //!   [`super::JobContext::deadlines`]: the exec handler forwards it to the
