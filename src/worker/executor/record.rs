@@ -285,13 +285,8 @@ impl Inner {
         };
         for o in unsure {
             let status = statuses.get(&o.id).copied().filter(|_| o.ambiguous);
-            use JobStatus::{Cancelled, Dead, Done, Ready};
-            let executed = match (&o.write, status) {
-                (Write::Complete, Some(Done))
-                | (Write::Release(_) | Write::Fail(_), Some(Ready | Dead | Cancelled))
-                | (Write::Snooze(_), Some(Ready | Cancelled)) => {
-                    recorded(&o.write, status.expect("matched Some"))
-                }
+            let executed = match status {
+                Some(status) if ours(&o.write, status) => recorded(&o.write, status),
                 _ => Executed::Lost,
             };
             let detail = match (&o.write, executed) {
@@ -317,6 +312,17 @@ fn recorded(write: &Write, status: JobStatus) -> Executed {
         (Write::Complete, _) => Executed::Completed,
         (Write::Fail(_), _) => Executed::Retried,
     }
+}
+
+/// Whether `status` is one that `write` leaves a job in.
+fn ours(write: &Write, status: JobStatus) -> bool {
+    use JobStatus::{Cancelled, Dead, Done, Ready};
+    matches!(
+        (write, status),
+        (Write::Complete, Done)
+            | (Write::Release(_) | Write::Fail(_), Ready | Dead | Cancelled)
+            | (Write::Snooze(_), Ready | Cancelled)
+    )
 }
 
 /// What the log says of a failure or snooze.
