@@ -1,6 +1,9 @@
 //! `almanac jobs list|show|retry|cancel|delete`
 
+use std::time::{Duration, Instant};
+
 use clap::Subcommand;
+use sqlx::PgConnection;
 
 use super::bulk::BulkArgs;
 use super::Ctx;
@@ -42,13 +45,18 @@ enum JobsCommand {
         bulk: BulkArgs,
     },
     /// Cancel a job (or every one matching the filters): a ready one at
-    /// once, a running one on its worker (the handler is stopped); it ends
-    /// `cancelled`.
+    /// once, a running one on its worker (the handler is stopped, a
+    /// command's process group killed); it ends `cancelled`. For one running
+    /// job, waits until its worker has stopped it and says so.
     Cancel {
         id: Option<i64>,
         /// Why, kept on the job and in the audit log.
         #[arg(long)]
         reason: Option<String>,
+        /// Return once the request is recorded, without waiting for the
+        /// worker holding a running job to stop it.
+        #[arg(long)]
+        no_wait: bool,
         #[command(flatten)]
         bulk: BulkArgs,
     },
@@ -112,7 +120,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 job.id, job.kind, job.max_attempts
             );
         }
-        JobsCommand::Cancel { id, reason, bulk } => {
+        JobsCommand::Cancel {
+            id,
+            reason,
+            no_wait,
+            bulk,
+        } => {
             let Some(id) = one_or_bulk(id, &bulk, "cancel")? else {
                 return super::bulk::run(&pool, Bulk::Cancel, &bulk, reason.as_deref()).await;
             };
@@ -122,10 +135,11 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 Cancel::Cancelled(job) => {
                     println!("job {} ({}) cancelled before it ran", job.id, job.kind)
                 }
-                Cancel::Requested(job) => println!(
-                    "job {} ({}) is running: its worker was asked to stop it; it ends cancelled",
-                    job.id, job.kind
+                Cancel::Requested(job) if no_wait => println!(
+                    "job {} ({}) is running: its worker was asked to stop it; it ends cancelled (see `almanac jobs show {}`)",
+                    job.id, job.kind, job.id
                 ),
+                Cancel::Requested(job) => println!("{}", wait_for_cancel(conn, &job).await?),
                 Cancel::Finished(job) => println!(
                     "job {} ({}) is already {}: nothing changed",
                     job.id, job.kind, job.status
@@ -138,6 +152,71 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// How long past the lease the CLI waits for a holder to stop a cancelled
+/// job, and how long it waits at least (and at most).
+const CANCEL_WAIT_SLACK: Duration = Duration::from_secs(1);
+const CANCEL_WAIT_MIN: Duration = Duration::from_secs(3);
+const CANCEL_WAIT_MAX: Duration = Duration::from_secs(120);
+
+/// Waits until the running `job`, whose cancel was just requested, has
+/// ended, and says how; gives up when its lease (as it stood) has run out,
+/// plus a little: a holder that is alive renews within a third of the lease
+/// and learns of the request then at the latest.
+async fn wait_for_cancel(conn: &mut PgConnection, job: &Job) -> anyhow::Result<String> {
+    let started = Instant::now();
+    let remaining: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8 FROM almanac.jobs WHERE id = $1",
+    )
+    .bind(job.id)
+    .fetch_one(&mut *conn)
+    .await?;
+    let within = Duration::try_from_secs_f64(remaining.unwrap_or(0.0).max(0.0))
+        .unwrap_or(CANCEL_WAIT_MAX)
+        .saturating_add(CANCEL_WAIT_SLACK)
+        .clamp(CANCEL_WAIT_MIN, CANCEL_WAIT_MAX);
+    let (id, kind) = (job.id, &job.kind);
+    loop {
+        let now = queue::get(&mut *conn, id).await?;
+        match now.status {
+            JobStatus::Running => {}
+            JobStatus::Cancelled
+                if now
+                    .last_error
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("lease expired")) =>
+            {
+                return Ok(format!(
+                    "job {id} ({kind}) cancelled: its worker did not answer, and the reaper finished the cancel when its lease ran out"
+                ));
+            }
+            JobStatus::Cancelled => {
+                return Ok(format!(
+                    "job {id} ({kind}) cancelled: its handler was stopped on its worker"
+                ))
+            }
+            JobStatus::Done => {
+                return Ok(format!(
+                    "job {id} ({kind}) finished (done) before its worker could stop it: the cancel changed nothing"
+                ))
+            }
+            other => return Ok(format!("job {id} ({kind}) is {other} now")),
+        }
+        if started.elapsed() >= within {
+            let until = now
+                .lease_until
+                .map_or("-".into(), |t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string());
+            return Ok(format!(
+                "cancel requested; the worker holding job {id} did not answer within {}s; the reaper cancels it when its lease runs out at {until} (it will not run again)",
+                within.as_secs()
+            ));
+        }
+        tokio::time::sleep(CANCEL_POLL).await;
+    }
+}
+
+/// How often the CLI looks at a job it is waiting for.
+const CANCEL_POLL: Duration = Duration::from_millis(100);
 
 fn print_table(jobs: &[Job]) {
     println!(

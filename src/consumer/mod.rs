@@ -29,11 +29,15 @@
 //! **A paused kind's messages are held, never acknowledged.** Its claim
 //! says so ([`queue::ClaimById::Paused`]); the consumer keeps the message
 //! and looks every [`PAUSE_POLL`] whether the kind was resumed, then claims
-//! it again. A Kafka consumer holds it for as long as the pause lasts
-//! (nothing past it is committed; past `max.poll.interval.ms` the group
-//! rebalances and the message comes again, to be held again); a RabbitMQ
-//! consumer passes it to the tail of its queue after ten minutes, before the
-//! broker's delivery timeout would close its channel.
+//! it again. A RabbitMQ consumer holds it [`OTHER_KIND_HOLD`], then passes
+//! it to the tail of its queue as it does a kind it cannot run, so the
+//! deliveries behind it get their turn (a large paused backlog in a queue
+//! shared with other kinds still slows them: each consumer cycles the
+//! paused messages a prefetch at a time). A Kafka consumer holds it for as
+//! long as the pause lasts: nothing past it may be committed, so what
+//! follows it in its partition waits too (give a kind you may pause a topic
+//! of its own); past `max.poll.interval.ms` (5 minutes) the group
+//! rebalances and the message comes again, to be held again.
 //!
 //! **Claims end on the server.** A claim that gets no answer within
 //! `lease / 3` of being sent is given up (the message is not acked); its

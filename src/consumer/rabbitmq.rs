@@ -191,10 +191,10 @@ pub(super) async fn run(
             let queue_name = queue.clone();
             running.spawn(async move {
                 let id = job_id(delivery.properties.headers());
-                match consumer.handle_until_done(&executor, id, &shutdown, Some(PAUSED_HOLD)).await {
+                match consumer.handle_until_done(&executor, id, &shutdown, Some(OTHER_KIND_HOLD)).await {
                     None => {}
-                    // Paused for long: passed on before the broker's
-                    // delivery timeout (30 minutes by default) closes the channel.
+                    // Still paused after a while: to the tail of the queue,
+                    // so the deliveries behind it (other kinds) get their turn.
                     Some(Handled::Paused(_)) => {
                         pass_on(&channel, &queue_name, delivery, ack_timeout, id, &shutdown).await;
                     }
@@ -282,12 +282,6 @@ async fn pass_on(
         warn!(%err, job_id, "RabbitMQ ack or reject failed; the message will be delivered again");
     }
 }
-
-/// How long a delivery of a paused kind is held before it is passed on to
-/// the tail of its queue (and held again by whichever consumer takes it):
-/// well within RabbitMQ's `consumer_timeout` (30 minutes by default), past
-/// which the broker closes a channel holding an unacknowledged delivery.
-const PAUSED_HOLD: Duration = Duration::from_secs(600);
 
 /// How long setting up (or closing) a session may wait on the broker.
 const SETUP_DEADLINE: Duration = Duration::from_secs(30);

@@ -146,6 +146,21 @@ impl Filter {
     }
 }
 
+/// [`select`]'s statement for one status, after `prefix` (empty, or
+/// `EXPLAIN ...`: a test reads its plan on a large table).
+pub fn select_query(
+    prefix: &str,
+    status: JobStatus,
+    filter: &Filter,
+) -> QueryBuilder<'static, Postgres> {
+    let mut b = QueryBuilder::new(format!(
+        "{prefix}SELECT j.id FROM almanac.jobs j WHERE j.status = "
+    ));
+    b.push_bind(status.as_str());
+    filter.push_conditions(&mut b);
+    b
+}
+
 /// The jobs a bulk action would act on, read once.
 #[derive(Debug, Clone)]
 pub struct Selection {
@@ -174,10 +189,10 @@ pub async fn select(
     // One scan per status, so each walks its own partial index.
     let mut ids = Vec::new();
     for status in statuses {
-        let mut b = QueryBuilder::new("SELECT j.id FROM almanac.jobs j WHERE true");
-        Filter::push_status(&mut b, &[status]);
-        filter.push_conditions(&mut b);
-        let found: Vec<i64> = b.build_query_scalar().fetch_all(&mut *conn).await?;
+        let found: Vec<i64> = select_query("", status, filter)
+            .build_query_scalar()
+            .fetch_all(&mut *conn)
+            .await?;
         ids.extend(found);
     }
     ids.sort_unstable();

@@ -101,6 +101,8 @@ pub struct Metrics {
     pub retried: Family<KindLabel, Counter>,
     pub dead: Family<KindLabel, Counter>,
     pub lease_lost: Family<KindLabel, Counter>,
+    pub cancelled: Family<KindLabel, Counter>,
+    pub snoozed: Family<KindLabel, Counter>,
     pub duration: Histograms,
     pub wait: Histograms,
     pub reaper_recovered: Counter,
@@ -237,6 +239,18 @@ impl Metrics {
             "Executions whose lease was lost before their outcome was recorded",
             lease_lost.clone(),
         );
+        let cancelled = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "jobs_cancelled",
+            "Running jobs this process stopped on an operator's cancel request (recorded cancelled)",
+            cancelled.clone(),
+        );
+        let snoozed = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "jobs_snoozed",
+            "Executions whose handler put the job back for later without using an attempt",
+            snoozed.clone(),
+        );
         let duration: Histograms = Family::new_with_constructor(seconds_histogram);
         registry.register(
             "job_duration_seconds",
@@ -340,6 +354,8 @@ impl Metrics {
             retried,
             dead,
             lease_lost,
+            cancelled,
+            snoozed,
             duration,
             wait,
             reaper_recovered,
@@ -385,6 +401,10 @@ pub enum Outcome {
     Retried,
     Dead,
     LeaseLost,
+    /// Stopped on an operator's cancel request.
+    Cancelled,
+    /// Put back for later by its handler.
+    Snoozed,
 }
 
 impl Metrics {
@@ -405,6 +425,8 @@ impl Metrics {
             Outcome::Retried => &m.retried,
             Outcome::Dead => &m.dead,
             Outcome::LeaseLost => &m.lease_lost,
+            Outcome::Cancelled => &m.cancelled,
+            Outcome::Snoozed => &m.snoozed,
         };
         family.get_or_create(&label).inc();
     }

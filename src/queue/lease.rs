@@ -225,6 +225,10 @@ pub struct Written {
     /// moment (the lease looked held): try again. Ids in neither list lost
     /// their lease.
     pub busy: Vec<i64>,
+    /// Leases in either list whose job an operator asked to cancel (filled
+    /// by [`heartbeat_many`]): the holder stops their handlers, so a lost
+    /// `NOTIFY` still stops them within one renewal.
+    pub cancels: Vec<super::CancelRequest>,
 }
 
 /// Marks a batch done; returns the ids whose lease was held. The others
@@ -269,7 +273,7 @@ pub async fn complete_many(
     match plain {
         Ok(ids) => Ok(Written {
             ids,
-            busy: Vec::new(),
+            ..Written::default()
         }),
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
             skipping_locked(conn, COMPLETE_SKIPPING_LOCKED, &ids, &tokens, None).await
@@ -311,23 +315,30 @@ async fn skipping_locked(
             WHERE j.id = ANY (ARRAY(SELECT id FROM locked))
             RETURNING j.id
         )
-        SELECT c.id, c.id IN (SELECT id FROM written)
+        SELECT c.id, c.id IN (SELECT id FROM written),
+               j.cancel_requested_at IS NOT NULL, j.cancelled_by, j.cancel_reason
         FROM c JOIN almanac.jobs j ON j.id = c.id AND j.lease_token = c.token
         WHERE j.lease_until > clock_timestamp() OR c.id IN (SELECT id FROM written)
         "#
     );
-    let mut query = sqlx::query_as::<_, (i64, bool)>(&sql)
-        .bind(ids)
-        .bind(tokens);
+    type Row = (i64, bool, bool, Option<String>, Option<String>);
+    let mut query = sqlx::query_as::<_, Row>(&sql).bind(ids).bind(tokens);
     if let Some(lease) = lease {
         query = query.bind(lease);
     }
     let rows = query.fetch_all(conn).await?;
-    let (written, busy): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, w)| *w);
-    Ok(Written {
-        ids: written.into_iter().map(|(id, _)| id).collect(),
-        busy: busy.into_iter().map(|(id, _)| id).collect(),
-    })
+    let mut out = Written::default();
+    for (id, written, requested, by, reason) in rows {
+        if written {
+            out.ids.push(id);
+        } else {
+            out.busy.push(id);
+        }
+        if requested {
+            out.cancels.push(super::CancelRequest { id, by, reason });
+        }
+    }
+    Ok(out)
 }
 
 /// Why an attempt failed.

@@ -17,7 +17,15 @@
 //!
 //! Fail, the reaper and release all bury a job instead when its attempts are
 //! used up (`attempts >= max_attempts`): a claim is an attempt, however it
-//! ended.
+//! ended. Two ways out of that count: a handler's snooze ([`snooze`]:
+//! `running -> ready`, due later, the attempt given back) and an unclaim at
+//! shutdown ([`unclaim`]).
+//!
+//! **Cancelled.** An operator's cancel ([`cancel_in`]) makes a ready job
+//! `cancelled` at once; on a running job it records a request, and
+//! whichever statement ends the attempt (fail, release, unclaim, snooze, the
+//! reaper) writes `cancelled` instead of `ready` or `dead`; only `complete`
+//! keeps `done`.
 //!
 //! **The fence.** Claiming sets `status = 'running'`, `attempts + 1`, a fresh
 //! random `lease_token` per job and `lease_until`. Every later write by the
@@ -40,6 +48,7 @@ mod admin;
 mod backoff;
 pub mod browse;
 mod enqueue;
+mod interrupt;
 mod lease;
 mod retention;
 pub mod routing;
@@ -54,6 +63,7 @@ pub use admin::{
 };
 pub use backoff::Backoff;
 pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
+pub use interrupt::{cancel_requests, snooze, CancelRequest};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
     statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, Written, CLAIM_SQL,

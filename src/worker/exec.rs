@@ -33,7 +33,13 @@
 //! | --- | --- |
 //! | exits 0 | done |
 //! | exits 65 (`EX_DATAERR`) | dead at once |
+//! | exits 75 (`EX_TEMPFAIL`) after writing the line `almanac-snooze: 30s` to stderr | snoozed: `ready` again 30 s later, its attempt given back ([`HandlerError::Snooze`]; the delay is a duration as in the config, `500ms`, `5m`, `1h30m`; the last such line counts) |
+//! | exits 75 without a valid `almanac-snooze:` line | retried with backoff, with `last_error` saying what was wrong |
 //! | exits otherwise, is killed by a signal, or runs past the timeout | retried with backoff, dead after `max_attempts` |
+//!
+//! An operator's cancel (`almanac jobs cancel`) kills the whole process group
+//! at once, and the job ends `cancelled` (`done`, should the command have
+//! exited 0 first).
 //!
 //! **The command ends when its shell ends.** When `sh` exits, whatever it
 //! left in its process group (`sleep 600 &`) is killed with it; so is the
@@ -67,6 +73,11 @@ use super::{watchdog, Handler, HandlerError, HandlerFuture, JobContext};
 
 /// The exit status that buries a job at once (sysexits' `EX_DATAERR`).
 pub const EXIT_PERMANENT: i32 = 65;
+/// The exit status that snoozes a job (sysexits' `EX_TEMPFAIL`), with a
+/// [`SNOOZE_PREFIX`] line on stderr naming the delay.
+pub const EXIT_SNOOZE: i32 = 75;
+/// The stderr line that names a snooze's delay: `almanac-snooze: 30s`.
+pub const SNOOZE_PREFIX: &str = "almanac-snooze:";
 const STDERR_TAIL: usize = 4096;
 /// How long stderr is read after the command's process group is gone.
 pub const STDERR_GRACE: Duration = Duration::from_secs(1);
@@ -233,7 +244,11 @@ impl ExecHandler {
         };
         let ended = tokio::select! {
             status = child.wait() => status.map_err(|e| ExecError::Spawn(e.to_string())),
-            _ = ctx.cancelled() => Err(ExecError::Cancelled),
+            _ = ctx.cancelled() => Err(if ctx.cancel_requested() {
+                ExecError::CancelRequested
+            } else {
+                ExecError::Cancelled
+            }),
             _ = timeout => Err(ExecError::TimedOut(self.timeout.unwrap_or_default())),
             status = watcher.wait() => Err(ExecError::Watchdog(match status {
                 Ok(status) => format!("it ended ({status}) before the command"),
@@ -304,12 +319,32 @@ fn classify(status: ExitStatus, stderr: String) -> Result<(), HandlerError> {
             code: EXIT_PERMANENT,
             stderr,
         })),
+        (Some(EXIT_SNOOZE), _) => match snooze_delay(&stderr) {
+            Ok(after) => Err(HandlerError::snooze(after)),
+            Err(problem) => Err(HandlerError::retry(ExecError::BadSnooze {
+                problem,
+                stderr,
+            })),
+        },
         (Some(code), _) => Err(HandlerError::retry(ExecError::Exit { code, stderr })),
         (None, signal) => Err(HandlerError::retry(ExecError::Signal {
             signal: signal.unwrap_or(0),
             stderr,
         })),
     }
+}
+
+/// The delay named by the last [`SNOOZE_PREFIX`] line of `stderr`.
+fn snooze_delay(stderr: &str) -> Result<Duration, String> {
+    let line = stderr
+        .lines()
+        .rev()
+        .find_map(|line| line.trim().strip_prefix(SNOOZE_PREFIX))
+        .ok_or_else(|| format!("no `{SNOOZE_PREFIX} DELAY` line on stderr"))?;
+    line.trim()
+        .parse::<crate::config::HumanDuration>()
+        .map(|d| d.0)
+        .map_err(|e| format!("bad `{SNOOZE_PREFIX}` line: {e}"))
 }
 
 impl Handler for ExecHandler {
@@ -360,6 +395,13 @@ pub enum ExecError {
     },
     TimedOut(Duration),
     Cancelled,
+    /// An operator cancelled the job.
+    CancelRequested,
+    /// Exited [`EXIT_SNOOZE`] without a valid delay line.
+    BadSnooze {
+        problem: String,
+        stderr: String,
+    },
     /// No almanac binary to run the watchdog with.
     NoWatchdog,
     /// The watchdog could not start, or ended before the command.
@@ -402,6 +444,16 @@ impl fmt::Display for ExecError {
                     "command killed: its lease was lost or the worker shut down"
                 )
             }
+            ExecError::CancelRequested => {
+                write!(f, "command killed: an operator cancelled the job")
+            }
+            ExecError::BadSnooze { problem, stderr } => {
+                write!(
+                    f,
+                    "command exited with status {EXIT_SNOOZE} (snooze) but {problem}, so it counts as a failed attempt; to snooze, write e.g. `{SNOOZE_PREFIX} 30s` to stderr before exiting {EXIT_SNOOZE}"
+                )?;
+                with_stderr(f, stderr)
+            }
         }
     }
 }
@@ -433,5 +485,31 @@ pub fn parse_handler_spec(spec: &str) -> Result<(String, String), String> {
         _ => Err(format!(
             "`{spec}` is not KIND=COMMAND; write e.g. --handler 'send_email=./bin/send-email'"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snooze_names_its_delay_on_its_last_line() {
+        assert_eq!(
+            snooze_delay("working\nalmanac-snooze: 1h30m\n"),
+            Ok(Duration::from_secs(5400))
+        );
+        assert_eq!(
+            snooze_delay("almanac-snooze: 1s\n  almanac-snooze: 250ms  "),
+            Ok(Duration::from_millis(250))
+        );
+        assert_eq!(
+            snooze_delay("busy, try later"),
+            Err("no `almanac-snooze: DELAY` line on stderr".to_string())
+        );
+        let bad = snooze_delay("almanac-snooze: soon").unwrap_err();
+        assert!(
+            bad.starts_with("bad `almanac-snooze:` line: `soon` is not a duration"),
+            "{bad}"
+        );
     }
 }

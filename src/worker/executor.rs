@@ -26,6 +26,17 @@
 //!   - with renewals every third of the lease, two renewals in a row (at a
 //!     third and at two thirds) can fail before a handler is cancelled, so a
 //!     single lost heartbeat never stops a healthy job.
+//! - **An operator's cancel stops the handler within 2 s, on any host.** A
+//!   listener ([`cancels`]) hears `almanac jobs cancel`'s `NOTIFY` and each
+//!   heartbeat reports cancel requests (the net for a lost notification:
+//!   within a third of the lease). The handler is cancelled at once and
+//!   dropped [`CANCEL_GRACE`] later if it has not returned (a command's
+//!   group is killed at once). Whatever it returned, or if it was dropped,
+//!   the job is recorded `cancelled` ([`Executed::Cancelled`]); if it
+//!   returned `Ok` first, `done` is the truth and stays.
+//! - **Snooze.** A handler's [`HandlerError::Snooze`] is written by
+//!   [`queue::snooze`]: `ready` later, the attempt given back
+//!   ([`Executed::Snoozed`]).
 //! - **Handlers see the deadline.** Each renewal moves the job's local
 //!   deadline, and the handler is told through
 //!   [`super::JobContext::deadlines`]: the exec handler forwards it to the
@@ -53,27 +64,30 @@
 //!   and it runs again (handlers must be idempotent). A process that dies
 //!   records nothing; its leases expire.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
-use tokio::time::{sleep_until, Instant, MissedTickBehavior};
+use tokio::time::{sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
+mod cancels;
+mod heartbeat;
 mod record;
 
+use heartbeat::heartbeat;
 use record::{record, Outcome, Write};
 
 use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig};
 use crate::metrics::{Metrics, Outcome as Counted};
-use crate::queue::{self, Job, QueueError};
+use crate::queue::{self, CancelRequest, Failure, Job, QueueError};
 use crate::role::Valid;
 
 /// How long before the lease may run out the executor cancels a handler
@@ -81,6 +95,11 @@ use crate::role::Valid;
 pub fn lease_margin(lease: Duration) -> Duration {
     lease / 5
 }
+
+/// How long a handler whose job an operator cancelled may take to return
+/// after its [`JobContext::cancelled`] fired before it is dropped (a command
+/// is killed at once): so a cancel stops every handler within 2 s.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 /// How a claimed job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +113,11 @@ pub enum Executed {
     Lost,
     /// Given back to `ready` at shutdown.
     Released,
+    /// Stopped on an operator's cancel request, and recorded `cancelled`.
+    Cancelled,
+    /// Put back for later by its handler ([`HandlerError::Snooze`]), its
+    /// attempt given back.
+    Snoozed,
 }
 
 /// What a worker (or a consumer's executions) did before it stopped.
@@ -107,6 +131,10 @@ pub struct WorkerReport {
     pub lost: u64,
     /// Jobs given back to `ready` at shutdown.
     pub released: u64,
+    /// Jobs stopped on an operator's cancel request.
+    pub cancelled: u64,
+    /// Jobs their handlers put back for later.
+    pub snoozed: u64,
 }
 
 #[derive(Default)]
@@ -116,6 +144,8 @@ struct Counters {
     dead: AtomicU64,
     lost: AtomicU64,
     released: AtomicU64,
+    cancelled: AtomicU64,
+    snoozed: AtomicU64,
 }
 
 impl Counters {
@@ -126,6 +156,8 @@ impl Counters {
             dead: self.dead.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            snoozed: self.snoozed.load(Ordering::Relaxed),
         }
     }
 }
@@ -136,6 +168,10 @@ struct Flight {
     kind: String,
     attempt: i32,
     cancel: CancellationToken,
+    /// An operator's cancel request, once this process learnt of it.
+    requested: Option<CancelRequest>,
+    /// What [`JobContext::cancel_requested`] reads.
+    requested_flag: Arc<AtomicBool>,
     /// When the last successful renewal (or the claim) was sent.
     renewed: Instant,
     /// The local lease deadline, `renewed + lease - margin`, as the handler
@@ -205,6 +241,8 @@ struct State {
     outcomes: Option<mpsc::UnboundedSender<Outcome>>,
     recorder: Option<JoinHandle<()>>,
     heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
+    /// The cancel listener ([`cancels`]); stops with the heartbeat.
+    listener: Option<JoinHandle<()>>,
 }
 
 /// Dropped with the last handle (say, an embedding application's timeout
@@ -245,6 +283,10 @@ impl Executor {
         let recorder = tokio::spawn(record(inner.clone(), rx));
         let stop = CancellationToken::new();
         let heartbeat = tokio::spawn(heartbeat(inner.clone(), stop.clone()));
+        let listener = inner
+            .config
+            .listen
+            .then(|| tokio::spawn(cancels::listen(inner.clone(), stop.clone())));
         Executor {
             inner,
             state: Arc::new(Mutex::new(State {
@@ -253,6 +295,7 @@ impl Executor {
                 outcomes: Some(outcomes),
                 recorder: Some(recorder),
                 heartbeat: Some((heartbeat, stop)),
+                listener,
             })),
         }
     }
@@ -306,6 +349,7 @@ impl Executor {
         };
         let token = job.lease_token.expect("a claimed job holds a lease");
         let cancel = CancellationToken::new();
+        let requested_flag = Arc::new(AtomicBool::new(false));
         let (reply, rx) = oneshot::channel();
         let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
         let displaced = self.inner.flights().insert(
@@ -315,6 +359,8 @@ impl Executor {
                 kind: job.kind.clone(),
                 attempt: job.attempts,
                 cancel: cancel.clone(),
+                requested: None,
+                requested_flag: requested_flag.clone(),
                 renewed: sent,
                 deadline,
                 started: Instant::now(),
@@ -339,7 +385,9 @@ impl Executor {
             }
         }
         while state.tasks.try_join_next().is_some() {}
-        let ctx = JobContext::new(job, cancel.clone()).with_deadline(deadlines, self.inner.margin);
+        let ctx = JobContext::new(job, cancel.clone())
+            .with_deadline(deadlines, self.inner.margin)
+            .with_cancel_flag(requested_flag);
         state.tasks.spawn(execute(
             self.inner.clone(),
             ctx,
@@ -381,7 +429,7 @@ impl Executor {
 
     /// Stops as the module doc says; a second call only reports.
     pub async fn shutdown(&self) -> WorkerReport {
-        let (mut tasks, recorder, heartbeat) = {
+        let (mut tasks, recorder, heartbeat, listener) = {
             let mut state = self.state();
             state.closed = true;
             // Running tasks hold their own senders; the channel closes when
@@ -391,6 +439,7 @@ impl Executor {
                 std::mem::take(&mut state.tasks),
                 state.recorder.take(),
                 state.heartbeat.take(),
+                state.listener.take(),
             )
         };
         // Should this future be dropped half-way, the heartbeat stops with
@@ -426,6 +475,12 @@ impl Executor {
             drop(stop);
             let _ = heartbeat.await;
         }
+        if let Some(listener) = listener {
+            // Stopped with the heartbeat; should that have stopped already
+            // (a second handle's shutdown), it is stopped here.
+            listener.abort();
+            let _ = listener.await;
+        }
         self.report()
     }
 }
@@ -450,6 +505,55 @@ impl Inner {
             .filter(|f| f.token == token)
             .map(|f| f.renewed);
         renewed.map_or_else(Instant::now, |at| self.local_deadline(at))
+    }
+
+    /// The cancel request of `id`'s flight under `token`, if it has one.
+    fn cancel_request(&self, id: i64, token: Uuid) -> Option<CancelRequest> {
+        self.flights()
+            .get(&id)
+            .filter(|f| f.token == token)
+            .and_then(|f| f.requested.clone())
+    }
+
+    /// How long a cancelled handler of `id` may take to return before it is
+    /// dropped: a lease margin, or at most [`CANCEL_GRACE`] when an operator
+    /// cancelled the job.
+    fn grace(&self, id: i64, token: Uuid) -> Duration {
+        match self.cancel_request(id, token) {
+            Some(_) => self.margin.min(CANCEL_GRACE),
+            None => self.margin,
+        }
+    }
+
+    /// Acts on an operator's cancel request: if `request` names a job in
+    /// flight here that has not had it yet, its handler is cancelled.
+    /// Returns whether it was.
+    fn request_cancel(&self, request: CancelRequest) -> bool {
+        let mut flights = self.flights();
+        let Some(flight) = flights
+            .get_mut(&request.id)
+            .filter(|f| f.requested.is_none())
+        else {
+            return false;
+        };
+        info!(
+            job_id = request.id,
+            kind = %flight.kind,
+            request = %request,
+            "cancel requested; stopping the handler"
+        );
+        flight.requested_flag.store(true, Ordering::Release);
+        flight.requested = Some(request);
+        flight.cancel.cancel();
+        true
+    }
+
+    /// The leases in flight, as `(id, token)`.
+    fn leases(&self) -> Vec<(i64, Uuid)> {
+        self.flights()
+            .iter()
+            .map(|(id, f)| (*id, f.token))
+            .collect()
     }
 
     /// The local lease deadline of a lease renewed (or claimed) by a
@@ -501,6 +605,26 @@ impl Inner {
                 c.released.fetch_add(1, Ordering::Relaxed);
                 info!(job_id = id, kind, attempt, "job released back to ready");
             }
+            Executed::Cancelled => {
+                c.cancelled.fetch_add(1, Ordering::Relaxed);
+                info!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    request = detail,
+                    "job cancelled: its handler was stopped"
+                );
+            }
+            Executed::Snoozed => {
+                c.snoozed.fetch_add(1, Ordering::Relaxed);
+                info!(
+                    job_id = id,
+                    kind,
+                    attempt,
+                    detail,
+                    "job snoozed: back to ready later, its attempt given back"
+                );
+            }
         }
     }
 
@@ -516,12 +640,27 @@ impl Inner {
         let Some(mut flight) = removed else {
             return;
         };
+        let request = flight.requested.as_ref().map(ToString::to_string);
+        if let (Some(request), Executed::Completed) = (&request, executed) {
+            info!(
+                job_id = id,
+                request = %request,
+                "the handler finished before the cancel took effect; the job stays done"
+            );
+        }
+        // A cancel is logged with who asked and why.
+        let detail = match executed {
+            Executed::Cancelled => request.as_deref().or(detail),
+            _ => detail,
+        };
         self.count(id, &flight.kind, flight.attempt, executed, detail);
         let counted = match executed {
             Executed::Completed => Some(Counted::Completed),
             Executed::Retried => Some(Counted::Retried),
             Executed::Dead => Some(Counted::Dead),
             Executed::Lost => Some(Counted::LeaseLost),
+            Executed::Cancelled => Some(Counted::Cancelled),
+            Executed::Snoozed => Some(Counted::Snoozed),
             Executed::Released => None,
         };
         if let Some(counted) = counted {
@@ -560,7 +699,7 @@ async fn execute(
             result = &mut work => break Some(result),
             _ = inner.kill.cancelled() => break None,
             _ = cancel.cancelled(), if abandon_at.is_none() => {
-                abandon_at = Some(Instant::now() + inner.margin);
+                abandon_at = Some(Instant::now() + inner.grace(id, token));
             }
             _ = sleep_until(wake) => {
                 if abandon_at.is_some() {
@@ -579,27 +718,48 @@ async fn execute(
             }
         }
     };
+    // A job with a cancel request ends `cancelled` however its attempt
+    // ends but `done` (the fence's statements see to it); its `last_error`
+    // says who stopped it.
+    let requested = inner.cancel_request(id, token);
     let write = match result {
         None if inner.giving_up.is_cancelled() => Write::Release(
             "released at shutdown: the handler did not finish within the shutdown deadline".into(),
         ),
         None => {
-            inner.settle(
-                id,
-                token,
-                Executed::Lost,
-                Some("the handler ignored cancellation and was dropped at the end of its lease"),
-            );
-            return;
+            match &requested {
+                Some(request) => Write::Fail(Failure::Permanent {
+                    error: format!(
+                        "{request}; the handler did not stop within {:?} and was dropped",
+                        inner.grace(id, token)
+                    ),
+                }),
+                None => {
+                    inner.settle(
+                    id,
+                    token,
+                    Executed::Lost,
+                    Some("the handler ignored cancellation and was dropped at the end of its lease"),
+                );
+                    return;
+                }
+            }
         }
         Some(Ok(())) => Write::Complete,
+        Some(Err(HandlerError::Snooze { after })) => Write::Snooze(after),
         Some(Err(err @ HandlerError::Retry { .. })) if inner.giving_up.is_cancelled() => {
             Write::Release(format!(
                 "released at shutdown before the handler finished: {}",
                 err.chain()
             ))
         }
-        Some(Err(err)) => Write::Fail(failure_of(&err, attempt, &inner.config.backoff)),
+        Some(Err(err)) => {
+            let failure = failure_of(&err, attempt, &inner.config.backoff);
+            Write::Fail(match &requested {
+                Some(request) => noted(failure, request),
+                None => failure,
+            })
+        }
     };
     if let Some(flight) = inner.flights().get_mut(&id).filter(|f| f.token == token) {
         flight.returned = Some(Instant::now());
@@ -612,78 +772,15 @@ async fn execute(
     });
 }
 
-/// Renews every lease in flight every third of the lease; cancels handlers
-/// whose lease the database no longer grants.
-async fn heartbeat(inner: Arc<Inner>, stop: CancellationToken) {
-    let every = inner.config.lease / 3;
-    // A connection of its own: handlers that use the pool can never make a
-    // renewal wait for a connection until leases run out.
-    let mut link = crate::db::Held::of(&inner.pool, every);
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let lease = inner.config.lease;
-        let leases: Vec<(i64, Uuid)> = inner
-            .flights()
-            .iter()
-            .filter(|(_, f)| f.returned.is_none_or(|at| at.elapsed() < lease))
-            .map(|(id, f)| (*id, f.token))
-            .collect();
-        if leases.is_empty() {
-            continue;
-        }
-        let sent = Instant::now();
-        let renewed = tokio::select! {
-            _ = stop.cancelled() => return,
-            renewed = bounded(every, renew(&mut link, &leases, inner.config.lease)) => renewed,
-        };
-        let (held, busy): (HashSet<i64>, HashSet<i64>) = match renewed {
-            Ok(written) => (
-                written.ids.into_iter().collect(),
-                written.busy.into_iter().collect(),
-            ),
-            Err(err) => {
-                link.discard();
-                warn!(%err, jobs = leases.len(), "heartbeat failed; handlers are cancelled at their local lease deadline unless a renewal succeeds");
-                continue;
-            }
-        };
-        let mut flights = inner.flights();
-        for (id, token) in &leases {
-            // Only flights still holding this lease (not settled meanwhile).
-            let Some(flight) = flights.get_mut(id).filter(|f| f.token == *token) else {
-                continue;
-            };
-            if held.contains(id) {
-                flight.renewed = flight.renewed.max(sent);
-                let deadline = inner.local_deadline(flight.renewed);
-                flight.deadline.send_if_modified(|d| {
-                    let later = deadline > *d;
-                    *d = (*d).max(deadline);
-                    later
-                });
-            } else if busy.contains(id) {
-                // Its row was held by another transaction: still ours, not
-                // renewed this time (the local deadline keeps counting).
-                debug!(job_id = id, "lease renewal skipped a busy row");
-            } else if !flight.cancel.is_cancelled() {
-                warn!(job_id = id, "lease lost; cancelling the handler");
-                flight.cancel.cancel();
-            }
-        }
+/// `failure` with `request` (who cancelled, and why) before its message.
+fn noted(failure: Failure, request: &CancelRequest) -> Failure {
+    match failure {
+        Failure::Retry { delay, error } => Failure::Retry {
+            delay,
+            error: format!("{request}; the handler ended: {error}"),
+        },
+        Failure::Permanent { error } => Failure::Permanent {
+            error: format!("{request}; the handler ended: {error}"),
+        },
     }
-}
-
-/// One batched renewal on the heartbeat's own connection.
-async fn renew(
-    link: &mut crate::db::Held,
-    leases: &[(i64, Uuid)],
-    lease: Duration,
-) -> Result<queue::Written, QueueError> {
-    let conn = link.get().await?;
-    queue::heartbeat_many(conn, leases, lease).await
 }

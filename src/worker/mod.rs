@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,6 +62,11 @@ pub enum HandlerError {
         #[source]
         source: BoxError,
     },
+    /// Not now: put the job back, due `after` from now, without using an
+    /// attempt (the claim's is given back; [`crate::queue::snooze`]). It is
+    /// `cancelled` instead if an operator asked for that meanwhile.
+    #[error("snoozed for {after:?}")]
+    Snooze { after: Duration },
 }
 
 impl HandlerError {
@@ -84,9 +90,16 @@ impl HandlerError {
         }
     }
 
+    /// Put the job back for `after` without using an attempt.
+    pub fn snooze(after: Duration) -> Self {
+        HandlerError::Snooze { after }
+    }
+
     /// The whole source chain, `outer: inner: root`, as stored in `last_error`.
     pub fn chain(&self) -> String {
-        let (HandlerError::Retry { source, .. } | HandlerError::Permanent { source }) = self;
+        let (HandlerError::Retry { source, .. } | HandlerError::Permanent { source }) = self else {
+            return self.to_string();
+        };
         let mut text = source.to_string();
         let mut next = source.source();
         while let Some(err) = next {
@@ -105,6 +118,7 @@ impl HandlerError {
 pub struct JobContext {
     pub job: Job,
     cancel: CancellationToken,
+    requested: Arc<AtomicBool>,
     deadlines: watch::Receiver<Instant>,
     margin: Duration,
 }
@@ -119,6 +133,7 @@ impl JobContext {
         JobContext {
             job,
             cancel,
+            requested: Arc::default(),
             deadlines,
             margin: Duration::ZERO,
         }
@@ -158,9 +173,24 @@ impl JobContext {
         self.margin
     }
 
+    /// The flag [`JobContext::cancel_requested`] reads, set by the
+    /// [`executor`] when an operator cancels the job.
+    pub(crate) fn with_cancel_flag(mut self, requested: Arc<AtomicBool>) -> Self {
+        self.requested = requested;
+        self
+    }
+
+    /// Whether an operator asked for this job to stop (`almanac jobs
+    /// cancel`): when [`JobContext::cancelled`] fired for that reason. The job
+    /// ends `cancelled` whatever the handler returns, but `Ok` (`done`).
+    pub fn cancel_requested(&self) -> bool {
+        self.requested.load(Ordering::Acquire)
+    }
+
     /// Resolves when the lease is lost, could not be renewed in time (see
-    /// [`executor`]), or the shutdown deadline has passed: the handler should
-    /// stop. One that does not is dropped a lease margin later.
+    /// [`executor`]), an operator cancelled the job, or the shutdown deadline
+    /// has passed: the handler should stop. One that does not is dropped a
+    /// lease margin later (a second after a cancel, at most).
     pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
         self.cancel.cancelled()
     }
@@ -360,6 +390,11 @@ pub(crate) fn failure_of(err: &HandlerError, attempt: i32, backoff: &Backoff) ->
         HandlerError::Permanent { .. } => Failure::Permanent { error: err.chain() },
         HandlerError::Retry { after, .. } => Failure::Retry {
             delay: after.unwrap_or_else(|| backoff.delay(attempt)),
+            error: err.chain(),
+        },
+        // The executor writes a snooze itself; as a failure it is a retry.
+        HandlerError::Snooze { after } => Failure::Retry {
+            delay: *after,
             error: err.chain(),
         },
     }

@@ -25,6 +25,8 @@ pub(super) enum Write {
     Complete,
     Fail(Failure),
     Release(String),
+    /// Back to `ready` after this long, the attempt given back.
+    Snooze(Duration),
 }
 
 pub(super) struct Outcome {
@@ -166,6 +168,9 @@ impl Inner {
                                 Executed::Dead,
                                 Some("released at shutdown with its attempts used up"),
                             ),
+                            Some(JobStatus::Cancelled) => {
+                                self.settle(o.id, o.token, Executed::Cancelled, None)
+                            }
                             Some(_) => self.settle(o.id, o.token, Executed::Released, None),
                             None => unsure.push(o),
                         }
@@ -180,22 +185,29 @@ impl Inner {
             }
         }
 
+        // Failures and snoozes, one by one.
         for o in fails {
             if !reachable {
                 pending.push(o);
                 continue;
             }
-            let Write::Fail(failure) = &o.write else {
-                unreachable!("partitioned on Fail")
+            let written = match &o.write {
+                Write::Fail(failure) => {
+                    bounded(within, on(link, |c| queue::fail(c, o.id, o.token, failure))).await
+                }
+                Write::Snooze(after) => {
+                    bounded(
+                        within,
+                        on(link, |c| queue::snooze(c, o.id, o.token, *after)),
+                    )
+                    .await
+                }
+                _ => unreachable!("partitioned on Fail and Snooze"),
             };
-            match bounded(within, on(link, |c| queue::fail(c, o.id, o.token, failure))).await {
+            match written {
                 Ok(Fenced::Held(status)) => {
-                    let executed = if status == JobStatus::Dead {
-                        Executed::Dead
-                    } else {
-                        Executed::Retried
-                    };
-                    self.settle(o.id, o.token, executed, Some(failure.error()));
+                    let executed = recorded(&o.write, status);
+                    self.settle(o.id, o.token, executed, Some(&detail_of(&o.write)));
                 }
                 Ok(Fenced::Lost) => unsure.push(o),
                 Err(err) if err.refused() => self.refused("fail", &err, vec![o], pending),
@@ -273,20 +285,52 @@ impl Inner {
         };
         for o in unsure {
             let status = statuses.get(&o.id).copied().filter(|_| o.ambiguous);
-            let executed = match (&o.write, status) {
-                (Write::Complete, Some(JobStatus::Done)) => Executed::Completed,
-                (Write::Release(_), Some(JobStatus::Ready)) => Executed::Released,
-                (Write::Release(_) | Write::Fail(_), Some(JobStatus::Dead)) => Executed::Dead,
-                (Write::Fail(_), Some(_)) => Executed::Retried,
+            let executed = match status {
+                Some(status) if ours(&o.write, status) => recorded(&o.write, status),
                 _ => Executed::Lost,
             };
             let detail = match (&o.write, executed) {
-                (_, Executed::Lost) => "the fence refused the outcome: the lease was taken back",
-                (Write::Fail(failure), _) => failure.error(),
-                _ => "recorded by a try whose answer was lost",
+                (_, Executed::Lost) => {
+                    "the fence refused the outcome: the lease was taken back".to_string()
+                }
+                (Write::Fail(_) | Write::Snooze(_), _) => detail_of(&o.write),
+                _ => "recorded by a try whose answer was lost".to_string(),
             };
-            self.settle(o.id, o.token, executed, Some(detail));
+            self.settle(o.id, o.token, executed, Some(&detail));
         }
+    }
+}
+
+/// What a failure, snooze or release that the fence let through became,
+/// by the job's new status.
+fn recorded(write: &Write, status: JobStatus) -> Executed {
+    match (write, status) {
+        (_, JobStatus::Cancelled) => Executed::Cancelled,
+        (_, JobStatus::Dead) => Executed::Dead,
+        (Write::Snooze(_), _) => Executed::Snoozed,
+        (Write::Release(_), _) => Executed::Released,
+        (Write::Complete, _) => Executed::Completed,
+        (Write::Fail(_), _) => Executed::Retried,
+    }
+}
+
+/// Whether `status` is one that `write` leaves a job in.
+fn ours(write: &Write, status: JobStatus) -> bool {
+    use JobStatus::{Cancelled, Dead, Done, Ready};
+    matches!(
+        (write, status),
+        (Write::Complete, Done)
+            | (Write::Release(_) | Write::Fail(_), Ready | Dead | Cancelled)
+            | (Write::Snooze(_), Ready | Cancelled)
+    )
+}
+
+/// What the log says of a failure or snooze.
+fn detail_of(write: &Write) -> String {
+    match write {
+        Write::Fail(failure) => failure.error().to_string(),
+        Write::Snooze(after) => format!("due again in {after:?}"),
+        Write::Complete | Write::Release(_) => String::new(),
     }
 }
 
