@@ -211,6 +211,7 @@ fn describe(name: &str, dry_run: bool, r: &BackfillReport) -> String {
     };
     part(r.reemitted_dead, "whose job was dead");
     part(r.reemitted_done, "whose job was done");
+    part(r.reemitted_cancelled, "whose job was cancelled");
     part(r.reemitted_deleted, "whose job retention had deleted");
     let mut done = if did.is_empty() {
         format!(
@@ -223,7 +224,7 @@ fn describe(name: &str, dry_run: bool, r: &BackfillReport) -> String {
     } else {
         format!(
             "{again} {} runs: {}",
-            r.reemitted_dead + r.reemitted_done + r.reemitted_deleted,
+            r.reemitted_dead + r.reemitted_done + r.reemitted_cancelled + r.reemitted_deleted,
             did.join(", ")
         )
     };

@@ -37,7 +37,10 @@
 //! long as the pause lasts: nothing past it may be committed, so what
 //! follows it in its partition waits too (give a kind you may pause a topic
 //! of its own); past `max.poll.interval.ms` (5 minutes) the group
-//! rebalances and the message comes again, to be held again.
+//! rebalances and the message comes again, to be held again. While it is
+//! held its partition is never seen drained, so the relay re-drives no
+//! stranded message of any kind on that topic until the pause ends (paused
+//! kinds themselves are never re-driven: [`queue::routing::redrive`]).
 //!
 //! **Claims end on the server.** A claim that gets no answer within
 //! `lease / 3` of being sent is given up (the message is not acked); its
@@ -157,6 +160,8 @@ pub struct Consumer {
     /// When the error about each kind it cannot run was last logged, and how
     /// many messages of it came since.
     other_kinds: Mutex<HashMap<String, (Option<Instant>, u64)>>,
+    /// When holding a paused kind's messages was last logged, per kind.
+    paused_told: Mutex<HashMap<String, Instant>>,
     sinks: SinkConfig,
     config: ConsumerConfig,
     handlers: HashMap<String, Arc<dyn Handler>>,
@@ -203,6 +208,7 @@ impl Consumer {
             pool,
             claims,
             other_kinds: Mutex::default(),
+            paused_told: Mutex::default(),
             sinks,
             config,
             handlers: HashMap::new(),
@@ -393,12 +399,24 @@ impl Consumer {
         shutdown: &CancellationToken,
         hold: Option<Duration>,
     ) -> Held {
-        info!(
-            kind,
-            job_id,
-            destination = %self.config.destination,
-            "the job's kind is paused; holding its message (unacknowledged) until it is resumed"
-        );
+        let tell = {
+            let mut told = self.paused_told.lock().expect("not poisoned");
+            let now = Instant::now();
+            let last = told.get(kind).copied();
+            let due = last.is_none_or(|at| now.duration_since(at) >= OTHER_KIND_LOG_EVERY);
+            if due {
+                told.insert(kind.to_string(), now);
+            }
+            due
+        };
+        if tell {
+            info!(
+                kind,
+                job_id,
+                destination = %self.config.destination,
+                "the kind is paused; holding its messages (unacknowledged) until it is resumed (said at most every 30 s per kind)"
+            );
+        }
         let until = hold.map(|hold| Instant::now() + hold);
         loop {
             tokio::select! {

@@ -6,7 +6,9 @@
 //! confirms that count; [`apply`] then acts on those ids only, in batches of
 //! [`BATCH`] rows, each batch one short transaction that re-checks the
 //! filter under the rows' locks (`SKIP LOCKED`: a row another transaction
-//! holds is left, not waited for). A job that stopped matching meanwhile (it
+//! holds, say a running job's heartbeat, is not waited for; it is tried
+//! again after the rest, three times over about a second, and counted as
+//! skipped if still held). A job that stopped matching meanwhile (it
 //! ran, or someone else retried it) is left as it is and counted as
 //! skipped; a job that started matching later is not touched. No long lock:
 //! claims, completions and enqueues go on between batches.
@@ -248,25 +250,93 @@ pub async fn apply(
         audit_id,
         ..BulkReport::default()
     };
+    // Rows another transaction held (a heartbeat, a claim, an outcome
+    // being written): tried again, a few times, once the rest is done.
+    let mut busy: Vec<i64> = Vec::new();
     for chunk in selection.ids.chunks(BATCH) {
-        let mut tx = conn.begin().await?;
-        let locked = lock(&mut tx, chunk, &statuses, &selection.filter).await?;
-        let acted = match bulk {
-            Bulk::Retry => retry(&mut tx, &locked).await?,
-            Bulk::Cancel => cancel(&mut tx, &locked, actor, reason).await?,
-            Bulk::Delete => delete(&mut tx, &locked).await?,
-        };
-        sqlx::query("UPDATE almanac.audit_log SET count = count + $2 WHERE id = $1")
-            .bind(audit_id)
-            .bind(acted as i64)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
+        let (acted, held) =
+            batch(conn, actor, selection, &statuses, reason, audit_id, chunk).await?;
+        busy.extend(held);
         report.acted += acted;
-        report.skipped += chunk.len() as u64 - acted;
         progress(report.acted);
     }
+    for pause in BUSY_RETRIES {
+        if busy.is_empty() {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        let ids = std::mem::take(&mut busy);
+        for chunk in ids.chunks(BATCH) {
+            let (acted, held) =
+                batch(conn, actor, selection, &statuses, reason, audit_id, chunk).await?;
+            busy.extend(held);
+            report.acted += acted;
+            progress(report.acted);
+        }
+    }
+    report.skipped = selection.ids.len() as u64 - report.acted;
     Ok(report)
+}
+
+/// The pauses before each new try at rows that were busy.
+const BUSY_RETRIES: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(200),
+    Duration::from_millis(1_000),
+];
+
+/// One batch in one transaction: what it changed, and the ids of `chunk`
+/// that still match but another transaction held.
+#[allow(clippy::too_many_arguments)]
+async fn batch(
+    conn: &mut PgConnection,
+    actor: &Actor,
+    selection: &Selection,
+    statuses: &[JobStatus],
+    reason: Option<&str>,
+    audit_id: i64,
+    chunk: &[i64],
+) -> Result<(u64, Vec<i64>), ControlError> {
+    let mut tx = conn.begin().await?;
+    let locked = lock(&mut tx, chunk, statuses, &selection.filter).await?;
+    let acted = match selection.bulk {
+        Bulk::Retry => retry(&mut tx, &locked).await?,
+        Bulk::Cancel => cancel(&mut tx, &locked, actor, reason).await?,
+        Bulk::Delete => delete(&mut tx, &locked).await?,
+    };
+    sqlx::query("UPDATE almanac.audit_log SET count = count + $2 WHERE id = $1")
+        .bind(audit_id)
+        .bind(acted as i64)
+        .execute(&mut *tx)
+        .await?;
+    // Of the rows not locked, those that still match (read without locks:
+    // they were held, not changed).
+    let unlocked: Vec<i64> = chunk
+        .iter()
+        .copied()
+        .filter(|id| locked.binary_search(id).is_err())
+        .collect();
+    let held = if unlocked.is_empty() {
+        Vec::new()
+    } else {
+        matching(&mut tx, &unlocked, statuses, &selection.filter).await?
+    };
+    tx.commit().await?;
+    Ok((acted, held))
+}
+
+/// The ids among `ids` that match, without locking them.
+async fn matching(
+    tx: &mut PgConnection,
+    ids: &[i64],
+    statuses: &[JobStatus],
+    filter: &Filter,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let mut b = QueryBuilder::new("SELECT j.id FROM almanac.jobs j WHERE j.id = ANY(");
+    b.push_bind(ids.to_vec()).push(")");
+    Filter::push_status(&mut b, statuses);
+    filter.push_conditions(&mut b);
+    b.build_query_scalar().fetch_all(tx).await
 }
 
 /// Locks the rows of `chunk` that still match, skipping rows another

@@ -214,7 +214,10 @@ pub struct RedriveStep {
 /// drained, so one lagging partition holds its destination back. The gate
 /// reads the marks of this sink's routed destinations once per step (a
 /// primary-key range per destination). The others are returned as
-/// [`RedriveStep::held`].
+/// [`RedriveStep::held`]. Paused kinds ([`crate::control::pause`]) have no
+/// candidates: their consumers hold or cycle their messages (a RabbitMQ
+/// consumer's copies to the tail even look like a drain), so a copy would
+/// only multiply them.
 pub async fn redrive<'e>(
     db: impl PgExecutor<'e>,
     sink: &str,
@@ -257,6 +260,10 @@ pub async fn redrive<'e>(
                 SELECT r.kind, r.sink, r.destination FROM almanac.routes r
                 WHERE r.mode = 'broker' AND r.sink = $1
                   AND r.destination IN (SELECT destination FROM open)
+                  -- A paused kind's messages are held or cycled by its
+                  -- consumers, not lost: never copied again.
+                  AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p
+                                  WHERE p.kind IN (r.kind, '*'))
             ) AS r
             CROSS JOIN LATERAL (
                 SELECT j.id, j.run_at FROM almanac.jobs j

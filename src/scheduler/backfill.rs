@@ -82,6 +82,9 @@ pub struct BackfillReport {
     pub reemitted_dead: u64,
     /// Runs whose done job was replaced by a new one (`all`).
     pub reemitted_done: u64,
+    /// Runs whose cancelled job was replaced by a new one (`all`; `failed`
+    /// leaves what an operator cancelled).
+    pub reemitted_cancelled: u64,
     /// Runs whose job retention had deleted, emitted again (`all`).
     pub reemitted_deleted: u64,
     /// Runs that had a job (or one retention deleted) and were left as

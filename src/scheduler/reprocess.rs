@@ -136,6 +136,8 @@ enum Found {
     Active,
     Dead,
     Done,
+    /// Stopped by an operator: replaced by `all` only (it did not fail).
+    Cancelled,
     /// Emitted; its job was deleted by retention.
     Deleted,
 }
@@ -152,7 +154,7 @@ fn action(mode: Reprocess, found: Found) -> Option<Action> {
     use Found::*;
     match (mode, found) {
         (Reprocess::Missing | Reprocess::All, Unrecorded | Skipped) => Some(Action::Emit),
-        (Reprocess::Failed, Dead) | (Reprocess::All, Dead | Done | Deleted) => {
+        (Reprocess::Failed, Dead) | (Reprocess::All, Dead | Done | Cancelled | Deleted) => {
             Some(Action::Replace)
         }
         _ => None,
@@ -186,6 +188,7 @@ async fn found_between(
             let found = match (outcome.as_str(), status.as_deref()) {
                 ("emitted", Some("ready" | "running")) => Found::Active,
                 ("emitted", Some("dead")) => Found::Dead,
+                ("emitted", Some("cancelled")) => Found::Cancelled,
                 ("emitted", Some(_)) => Found::Done,
                 ("emitted", None) => Found::Deleted,
                 _ => Found::Skipped,
@@ -259,12 +262,13 @@ SELECT count(*) FROM almanac.jobs j
 pub struct Replaced {
     pub dead: u64,
     pub done: u64,
+    pub cancelled: u64,
     pub deleted: u64,
 }
 
 impl Replaced {
     pub fn total(&self) -> u64 {
-        self.dead + self.done + self.deleted
+        self.dead + self.done + self.cancelled + self.deleted
     }
 }
 
@@ -281,7 +285,7 @@ pub async fn replace(
     let states: &[&str] = match mode {
         Reprocess::Missing => return Ok(replaced),
         Reprocess::Failed => &["dead"],
-        Reprocess::All => &["dead", "done", "deleted"],
+        Reprocess::All => &["dead", "done", "cancelled", "deleted"],
     };
     if runs.is_empty() {
         return Ok(replaced);
@@ -316,6 +320,7 @@ pub async fn replace(
         match was.as_str() {
             "dead" => replaced.dead += n,
             "done" => replaced.done += n,
+            "cancelled" => replaced.cancelled += n,
             _ => replaced.deleted += n,
         }
     }
@@ -396,6 +401,7 @@ pub async fn run(
                 match found {
                     Found::Dead => report.reemitted_dead += 1,
                     Found::Done => report.reemitted_done += 1,
+                    Found::Cancelled => report.reemitted_cancelled += 1,
                     _ => report.reemitted_deleted += 1,
                 }
                 todo.push((run, a));
@@ -466,6 +472,7 @@ pub async fn run(
         not_replaced += to_replace.len() as u64 - r.total();
         replaced.dead += r.dead;
         replaced.done += r.done;
+        replaced.cancelled += r.cancelled;
         replaced.deleted += r.deleted;
         done += step.len();
         progress(Progress::Step {
@@ -479,6 +486,7 @@ pub async fn run(
     report.emitted_after_skip = recorded.emitted_after_skip;
     report.reemitted_dead = replaced.dead;
     report.reemitted_done = replaced.done;
+    report.reemitted_cancelled = replaced.cancelled;
     report.reemitted_deleted = replaced.deleted;
     report.already_emitted += recorded.existed + not_replaced;
     Ok(report)

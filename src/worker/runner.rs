@@ -172,9 +172,13 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                received = listener.recv() => match received {
-                    Ok(n) if n.payload() == "*" || kinds.iter().any(|k| k == n.payload()) => wake.notify_one(),
-                    Ok(_) => {}
+                // `try_recv`: `recv` reconnects silently when the
+                // connection drops; `Ok(None)` says it did (and it is back),
+                // so what was enqueued meanwhile is claimed now.
+                received = listener.try_recv() => match received {
+                    Ok(Some(n)) if n.payload() == "*" || kinds.iter().any(|k| k == n.payload()) => wake.notify_one(),
+                    Ok(Some(_)) => {}
+                    Ok(None) => wake.notify_one(),
                     Err(err) => {
                         warn!(%err, "LISTEN connection lost; reconnecting");
                         break;

@@ -472,7 +472,12 @@ async fn api_actions_act_answer_and_log_once_each(pool: PgPool) {
     let error = s.post("/api/v1/kinds/%20/pause", "").await.error(400);
     assert!(error.contains("a kind name is required"), "{error}");
 
-    // A dead-letter group.
+    // A dead-letter group; every dead job only when asked for by name.
+    let error = s.post("/api/v1/dead/retry", "{}").await.error(400);
+    assert_eq!(
+        error,
+        "name a dead-letter group (\"kind\", \"error\"), or send \"all\": true to retry every dead job"
+    );
     let reply = s
         .post(
             "/api/v1/dead/retry",

@@ -371,8 +371,26 @@ async fn redrive_waits_for_every_partition_to_drain(pool: PgPool) {
         .unwrap();
     assert_eq!((step.redriven, step.held.len()), (2, 0));
     tx.rollback().await.unwrap();
-    // Drained since on every partition: truly stranded, re-driven once.
+    // Drained since on every partition: truly stranded, re-driven once;
+    // but not while the kind is paused (its consumers hold its messages),
+    // by its own pause or by `*`.
     mark(1, "1 second").await;
+    for paused in ["task", "*"] {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO almanac.kind_pauses (kind, paused_by) VALUES ($1, 'ops')")
+            .bind(paused)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let step = routing::redrive(&mut *tx, "kafka", after, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            step.redriven, 0,
+            "a paused kind ({paused}) was copied again"
+        );
+        tx.rollback().await.unwrap();
+    }
     let step = routing::redrive(&pool, "kafka", after, None).await.unwrap();
     assert_eq!((step.redriven, step.held.len()), (2, 0));
     let step = routing::redrive(&pool, "kafka", after, None).await.unwrap();

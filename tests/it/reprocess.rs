@@ -907,3 +907,59 @@ async fn reprocess_statements_use_indexes_on_a_long_history(pool: PgPool) {
         );
     }
 }
+
+/// A run whose job an operator cancelled is not a failure: `failed` leaves
+/// it, `all` replaces it (and says so), once.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_cancelled_run_is_replaced_by_all_only(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let scratch = Scratch::new("cancelled");
+    let (range, _runs) = hours(&pool, 4).await;
+    succeeded(&backfill(&url, &scratch, range, &[]).output().unwrap());
+    // Of the four jobs: one cancelled, one dead, two done.
+    sqlx::raw_sql(
+        "UPDATE almanac.jobs SET status = 'done', finished_at = now();
+         UPDATE almanac.jobs SET status = 'cancelled', cancelled_by = 'ops (cli)'
+          WHERE id = (SELECT min(id) FROM almanac.jobs);
+         UPDATE almanac.jobs SET status = 'dead'
+          WHERE id = (SELECT max(id) FROM almanac.jobs);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let failed = report(
+        &backfill(&url, &scratch, range, &["--reprocess", "failed", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(
+        (
+            failed["reemitted_dead"].as_u64(),
+            failed["reemitted_cancelled"].as_u64()
+        ),
+        (Some(1), Some(0))
+    );
+    let all = report(
+        &backfill(&url, &scratch, range, &["--reprocess", "all", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(
+        (
+            all["reemitted_cancelled"].as_u64(),
+            all["reemitted_done"].as_u64(),
+            all["still_active"].as_u64()
+        ),
+        (Some(1), Some(2), Some(1)),
+        "{all}"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'"
+        )
+        .await,
+        4,
+        "one active job per run"
+    );
+}

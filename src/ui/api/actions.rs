@@ -88,6 +88,9 @@ struct GroupBody {
     kind: Option<String>,
     /// The exact first line of the error (`""`: dead without an error).
     error: Option<String>,
+    /// Neither `kind` nor `error`: every dead job, only when this says so.
+    #[serde(default)]
+    all: bool,
 }
 
 pub(super) async fn retry_group(
@@ -96,11 +99,17 @@ pub(super) async fn retry_group(
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Acted {
-    let GroupBody { kind, error } = body_or_refuse!(headers, bytes);
+    let GroupBody { kind, error, all } = body_or_refuse!(headers, bytes);
     let group = DeadFilter {
         kind: kind.filter(|k| !k.trim().is_empty()),
         error,
     };
+    if ui.actions && group.kind.is_none() && group.error.is_none() && !all {
+        return Err(super::bad(
+            "name a dead-letter group (\"kind\", \"error\"), or send \"all\": true to retry every dead job"
+                .into(),
+        ));
+    }
     let n = act::retry_group(&ui, who.actor(Source::Api), group).await?;
     Ok(Json(json!({ "outcome": "retried", "retried": n })).into_response())
 }

@@ -12,7 +12,8 @@
 //! [`super::CANCEL_GRACE`] later if it does not return.
 //!
 //! A notification can be missed: while the listener reconnects (it then
-//! checks every job in flight as soon as it listens again), or in the few
+//! checks every job in flight as soon as the connection is back: it reads
+//! with `try_recv`, which says when the connection dropped), or in the few
 //! milliseconds between a claim committing and its job entering the
 //! executor's flights. The heartbeat is the net: each renewal also reports
 //! the leases with a cancel request, so a missed one stops its handler
@@ -73,15 +74,30 @@ pub(super) async fn listen(inner: Arc<Inner>, stop: CancellationToken) {
             continue;
         }
         loop {
+            // `try_recv`, not `recv`: `recv` reconnects by itself when the
+            // connection drops and says nothing, and the notifications sent
+            // meanwhile are lost; `Ok(None)` tells us, so every job in
+            // flight is checked again (the next call reconnects).
             let received = tokio::select! {
                 _ = stop.cancelled() => return,
-                received = listener.recv() => received,
+                received = listener.try_recv() => received,
             };
             let id = match received {
-                Ok(n) => match n.payload().parse::<i64>() {
+                Ok(Some(n)) => match n.payload().parse::<i64>() {
                     Ok(id) => id,
                     Err(_) => continue,
                 },
+                Ok(None) => {
+                    warn!(
+                        "LISTEN connection for cancel requests lost; checking every job in flight"
+                    );
+                    let leases = inner.leases();
+                    if let Err(err) = check(&inner, &mut listener, &leases, within).await {
+                        warn!(%err, "reading cancel requests failed; reconnecting");
+                        break;
+                    }
+                    continue;
+                }
                 Err(err) => {
                     warn!(%err, "LISTEN connection for cancel requests lost; reconnecting");
                     break;
