@@ -141,7 +141,10 @@ pub fn due_from(
 }
 
 /// The schedule's runs with `from <= fire_at < to`, at most `limit`,
-/// generated a month at a time so long ranges stay cheap.
+/// generated in spans that start at an hour and double up to a month: a
+/// few runs of a frequent schedule cost a few runs, not a month of them (a
+/// step of two runs of a once-a-minute schedule generated 44,640), and a
+/// long range of a rare one still takes few spans.
 pub fn runs_in(
     schedule: &Schedule,
     from: DateTime<Utc>,
@@ -150,10 +153,12 @@ pub fn runs_in(
 ) -> Vec<Run> {
     let mut out = Vec::new();
     let mut lo = from;
+    let mut span = chrono::Duration::hours(1);
     while lo < to && out.len() < limit {
-        let hi = (lo + chrono::Duration::days(31)).min(to);
+        let hi = (lo + span).min(to);
         out.extend(schedule.runs_between(lo, hi));
         lo = hi;
+        span = (span * 2).min(chrono::Duration::days(31));
     }
     out.truncate(limit);
     out
