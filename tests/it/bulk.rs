@@ -3,27 +3,17 @@
 //! asks (or takes `--yes`), acts in batches on at most what it counted, and
 //! leaves one audit row with the exact count.
 
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use almanac::control::bulk::{self, Bulk, Filter};
 use almanac::control::{Actor, Source};
 use almanac::queue::JobStatus;
 use sqlx::PgPool;
 
-use crate::harness::{self, count};
+use crate::harness::{self, count, text};
 
 fn cli(pool: &PgPool, args: &[&str]) -> Output {
-    harness::almanac()
-        .args(args)
-        .env("DATABASE_URL", harness::database_url(pool))
-        .env("USER", "night-ops")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).trim().to_string()
+    harness::operator(pool, args)
 }
 
 /// `n` jobs of `kind` in `status`, finished `days` ago, with `error`.

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers::{self, unique};
 use crate::harness::scheduler_proc::Proc;
-use crate::harness::{self, count, eventually};
+use crate::harness::{self, count, eventually, text};
 
 /// The OS user the CLI runs as in these tests.
 const OPERATOR: &str = "ops-alice";
@@ -85,10 +85,6 @@ fn cancel_cli(url: &str, id: i64, extra: &[&str]) -> Output {
         .env("USER", OPERATOR)
         .output()
         .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).trim().to_string()
 }
 
 async fn started(dir: &Path, id: i64) -> (i32, i32) {

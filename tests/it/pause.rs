@@ -6,7 +6,7 @@
 //! The worker polls once a minute, so only the resume's wake-up can start
 //! its jobs within the test's deadline.
 
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use almanac::queue::{self, Backoff, NewJob};
@@ -18,20 +18,10 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers;
-use crate::harness::{self, count, eventually};
+use crate::harness::{self, count, eventually, text};
 
 fn cli(pool: &PgPool, args: &[&str]) -> Output {
-    harness::almanac()
-        .args(args)
-        .env("DATABASE_URL", harness::database_url(pool))
-        .env("USER", "night-ops")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).trim().to_string()
+    harness::operator(pool, args)
 }
 
 /// A worker that claims only when woken (its poll is a minute).

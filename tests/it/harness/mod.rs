@@ -84,6 +84,23 @@ pub fn almanac() -> Command {
     cmd
 }
 
+/// Runs the `almanac` CLI on `pool`'s database as the OS user `night-ops`
+/// (the actor its audit rows name), with no terminal on stdin.
+pub fn operator(pool: &PgPool, args: &[&str]) -> std::process::Output {
+    almanac()
+        .args(args)
+        .env("DATABASE_URL", database_url(pool))
+        .env("USER", "night-ops")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// A command's output as a person reads it: UTF-8, trimmed.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).trim().to_string()
+}
+
 /// A table where handlers record each execution, to prove exactly-once.
 pub async fn create_exec_log(pool: &PgPool) {
     sqlx::query(
