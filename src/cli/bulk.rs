@@ -75,14 +75,18 @@ pub async fn run(
         println!("no job matches ({what}): nothing changed");
         return Ok(());
     }
-    let plural = if count == 1 { "" } else { "s" };
+    let (plural, verb_s, them) = if count == 1 {
+        ("", "es", "it")
+    } else {
+        ("s", "", "them")
+    };
     if args.dry_run {
-        println!("{count} job{plural} match ({what}); --dry-run: nothing changed");
+        println!("{count} job{plural} match{verb_s} ({what}); --dry-run: nothing changed");
         return Ok(());
     }
     if !args.yes {
         if !std::io::stdin().is_terminal() {
-            bail!("{count} job{plural} match ({what}); add --yes to {verb} them without a prompt");
+            bail!("{count} job{plural} match{verb_s} ({what}); add --yes to {verb} {them} without a prompt");
         }
         eprint!("{verb} {count} job{plural} ({what})? [y/N] ");
         std::io::stderr().flush()?;

@@ -236,6 +236,13 @@ async fn bulk_cancel_and_delete_keep_to_their_statuses(pool: PgPool) {
         audit,
         vec![("bulk cancel".into(), 40), ("bulk delete".into(), 10)]
     );
+    jobs(&pool, 1, "lone", "dead", "boom", 0).await;
+    let one = cli(&pool, &["jobs", "retry", "--kind", "lone"]);
+    assert_eq!(
+        text(&one.stderr),
+        "error: 1 job matches (jobs where status dead|cancelled, kind lone); \
+         add --yes to retry it without a prompt"
+    );
 }
 
 /// Rows that stop matching between the count and the action (someone else
