@@ -9,15 +9,18 @@
 use std::process::Output;
 use std::time::{Duration, Instant};
 
+use almanac::metrics::Metrics;
 use almanac::queue::{self, Backoff, NewJob};
 use almanac::relay::routes::RouteMode;
 use almanac::relay::{Publisher, Relay, SinkKind};
-use almanac::role::{Role, Settings};
+use almanac::role::{Periodic, Role, Settings, Valid};
+use almanac::stats::Collector;
 use almanac::worker::{Worker, WorkerConfig};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers;
+use crate::harness::http::sample;
 use crate::harness::{self, count, eventually, text};
 
 fn cli(pool: &PgPool, args: &[&str]) -> Output {
@@ -329,5 +332,54 @@ async fn pausing_every_kind_and_the_answers_an_operator_reads(pool: PgPool) {
             ("pause".into(), "kind p".into(), 0),
             ("resume".into(), "kind *".into(), 1),
         ]
+    );
+}
+
+/// `/metrics` shows a paused kind (1, then 0 once resumed) and cancelled
+/// jobs counted apart from dead ones, from the collector's database read.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn metrics_show_paused_kinds_and_cancelled_jobs(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("report"))
+        .await
+        .unwrap()
+        .id();
+    assert!(cli(&pool, &["jobs", "cancel", &id.to_string()])
+        .status
+        .success());
+    assert!(cli(&pool, &["kinds", "pause", "report"]).status.success());
+    let metrics = Metrics::new();
+    let collector = Collector::new(pool.clone(), Valid::default()).with_metrics(metrics.clone());
+    collector.run_once(&CancellationToken::new()).await.unwrap();
+    let paused = metrics.render();
+    assert_eq!(
+        sample(&paused, "almanac_kind_paused", &[("kind", "report")]),
+        Some(1.0),
+        "{paused}"
+    );
+    assert_eq!(
+        sample(
+            &paused,
+            "almanac_jobs",
+            &[("kind", "report"), ("status", "cancelled")]
+        ),
+        Some(1.0),
+        "{paused}"
+    );
+    assert_eq!(
+        sample(
+            &paused,
+            "almanac_jobs",
+            &[("kind", "report"), ("status", "dead")]
+        ),
+        Some(0.0)
+    );
+    assert!(cli(&pool, &["kinds", "resume", "report"]).status.success());
+    collector.run_once(&CancellationToken::new()).await.unwrap();
+    let resumed = metrics.render();
+    assert_eq!(
+        sample(&resumed, "almanac_kind_paused", &[("kind", "report")]),
+        Some(0.0),
+        "{resumed}"
     );
 }
