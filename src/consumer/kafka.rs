@@ -194,7 +194,7 @@ async fn session(
             .handle_until_done(executor, job_id, shutdown, None)
             .await
         {
-            None | Some(Handled::Paused(_)) => return None,
+            None | Some(Handled::Paused(_) | Handled::Limited(_)) => return None,
             Some(Handled::OtherKind(kind)) => return Some(kind),
             Some(_) => {}
         }

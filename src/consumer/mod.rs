@@ -42,6 +42,14 @@
 //! stranded message of any kind on that topic until the pause ends (paused
 //! kinds themselves are never re-driven: [`queue::routing::redrive`]).
 //!
+//! **A limited kind's messages are held, never acknowledged.** When a
+//! job's kind is at one of its limits ([`crate::queue::limits`]) the claim
+//! says so ([`queue::ClaimById::Limited`]); no attempt is used, and the
+//! consumer claims it again every [`LIMIT_POLL`]. As with a pause, a
+//! RabbitMQ consumer passes a message still held after
+//! [`OTHER_KIND_HOLD`] to the tail of its queue, and a Kafka consumer
+//! holds its partition until the job can start.
+//!
 //! **Claims end on the server.** A claim that gets no answer within
 //! `lease / 3` of being sent is given up (the message is not acked); its
 //! connection (a pool of its own, see [`crate::db::bounded_pool`], waited for
@@ -179,6 +187,10 @@ enum ClaimError {
     /// The job's kind is paused: hold the message until it is resumed.
     #[error("kind {0} is paused")]
     Paused(String),
+    /// Starting the job now would break its kind's limits: hold the
+    /// message and try again shortly.
+    #[error("kind {0} is at its limit")]
+    Limited(String),
 }
 
 /// What became of one message.
@@ -192,6 +204,9 @@ pub enum Handled {
     /// Its job's kind stayed paused for as long as the caller may hold a
     /// message: give the message back, never acknowledge it.
     Paused(String),
+    /// Its job's kind stayed at its limit for as long as the caller may
+    /// hold a message: give the message back, never acknowledge it.
+    Limited(String),
 }
 
 impl Consumer {
@@ -282,6 +297,7 @@ impl Consumer {
                 return Ok(Some(Handled::OtherKind(kind)));
             }
             ClaimById::Paused(kind) => return Err(ClaimError::Paused(kind)),
+            ClaimById::Limited(kind) => return Err(ClaimError::Limited(kind)),
         };
         let handler = self.handlers[&job.kind].clone();
         self.counters.executed.fetch_add(1, Ordering::Relaxed);
@@ -346,6 +362,9 @@ impl Consumer {
     /// shutdown or when the outcome is unknown (do not ack). A message of a
     /// paused kind is held until the kind is resumed, then claimed again;
     /// after `hold` (if any) of pause it comes back as [`Handled::Paused`].
+    /// One held back by its kind's limits is claimed again every
+    /// [`LIMIT_POLL`]; after `hold` (if any) it comes back as
+    /// [`Handled::Limited`].
     async fn handle_until_done(
         &self,
         executor: &Executor,
@@ -357,9 +376,20 @@ impl Consumer {
             std::time::Duration::from_millis(200),
             std::time::Duration::from_secs(10),
         );
+        let since = Instant::now();
         loop {
             match self.handle(executor, job_id).await {
                 Ok(handled) => return handled,
+                Err(ClaimError::Limited(kind)) => {
+                    self.metrics.record_held_by_limit(&kind);
+                    if hold.is_some_and(|hold| since.elapsed() >= hold) {
+                        return Some(Handled::Limited(kind));
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = tokio::time::sleep(LIMIT_POLL) => {}
+                    }
+                }
                 Err(ClaimError::Paused(kind)) => {
                     match self.hold_while_paused(&kind, job_id, shutdown, hold).await {
                         Held::Resumed => continue,
@@ -388,6 +418,10 @@ enum Held {
 /// How often a consumer holding a paused kind's message looks whether the
 /// kind was resumed: a resume reaches held messages within this.
 pub const PAUSE_POLL: Duration = Duration::from_millis(250);
+
+/// How often a consumer holding a message that its kind's limits hold back
+/// tries to claim it again.
+pub const LIMIT_POLL: Duration = Duration::from_millis(100);
 
 impl Consumer {
     /// Waits while `kind` is paused (a primary-key read every

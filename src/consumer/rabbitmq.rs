@@ -195,7 +195,7 @@ pub(super) async fn run(
                     None => {}
                     // Still paused after a while: to the tail of the queue,
                     // so the deliveries behind it (other kinds) get their turn.
-                    Some(Handled::Paused(_)) => {
+                    Some(Handled::Paused(_) | Handled::Limited(_)) => {
                         pass_on(&channel, &queue_name, delivery, ack_timeout, id, &shutdown).await;
                     }
                     Some(Handled::OtherKind(_)) => {

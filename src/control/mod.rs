@@ -17,11 +17,14 @@
 //!   short batches, acting on at most what was counted and confirmed.
 //! - [`schedules`]: pause, resume and trigger a schedule
 //!   ([`crate::scheduler::controls`]) with their audit rows.
+//! - [`limits`]: set and clear a kind's limits
+//!   ([`crate::queue::limits`]).
 //! - [`audit`]: the log itself, and reading it back.
 
 pub mod audit;
 pub mod bulk;
 pub mod jobs;
+pub mod limits;
 pub mod pause;
 pub mod schedules;
 

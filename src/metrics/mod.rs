@@ -118,6 +118,7 @@ pub struct Metrics {
     pub kind_paused: Gauges<KindLabel>,
     pub relay_notifications: Family<SinkLabel, Counter>,
     pub relay_blocked: Family<SinkLabel, Gauge>,
+    pub held_by_limit: Family<KindLabel, Counter>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -335,6 +336,12 @@ impl Metrics {
             "1 while the broker blocks this process's relay from publishing (RabbitMQ connection.blocked: a memory or disk alarm), else 0",
             relay_blocked.clone(),
         );
+        let held_by_limit = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "consumer_held_by_limit",
+            "Times this process's consumers held a message back, unacknowledged and with no attempt used, because its kind was at one of its limits (almanac limits)",
+            held_by_limit.clone(),
+        );
         Metrics {
             registry: Arc::new(registry),
             jobs,
@@ -370,6 +377,7 @@ impl Metrics {
             kind_paused,
             relay_notifications,
             relay_blocked,
+            held_by_limit,
         }
     }
 
@@ -472,6 +480,15 @@ impl Metrics {
     }
 
     /// A message of `kind` on `destination` that a consumer had no handler for.
+    /// A consumer held a message back because its kind was at a limit.
+    pub fn record_held_by_limit(&self, kind: &str) {
+        self.held_by_limit
+            .get_or_create(&KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc();
+    }
+
     pub fn record_unhandled_kind(&self, kind: &str, destination: &str) {
         self.consumer_other_kind
             .get_or_create(&KindDestinationLabel {

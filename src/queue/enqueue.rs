@@ -26,7 +26,14 @@ pub struct NewJob {
     pub idempotency_key: Option<String>,
     pub schedule: Option<String>,
     pub logical_run: Option<String>,
+    /// 0 (the default) to [`MAX_PRIORITY`]: among a kind's due jobs the
+    /// higher is claimed first (see [`super::CLAIM_SQL`] for the bound on
+    /// how long a lower one can wait).
+    pub priority: i16,
 }
+
+/// The highest job priority.
+pub const MAX_PRIORITY: i16 = 9;
 
 impl NewJob {
     pub fn new(kind: impl Into<String>) -> Self {
@@ -38,7 +45,13 @@ impl NewJob {
             idempotency_key: None,
             schedule: None,
             logical_run: None,
+            priority: 0,
         }
+    }
+
+    pub fn priority(mut self, priority: i16) -> Self {
+        self.priority = priority;
+        self
     }
 
     pub fn payload(mut self, payload: Value) -> Self {
@@ -72,12 +85,24 @@ impl NewJob {
                 )));
             }
         }
+        check_priority(self.priority)?;
         if self.idempotency_key.as_deref() == Some("") {
             return Err(QueueError::Invalid(
                 "the idempotency key is empty; omit it or give a value".into(),
             ));
         }
         Ok(())
+    }
+}
+
+/// A priority outside `0..=MAX_PRIORITY` is refused, naming the value.
+pub fn check_priority(priority: i16) -> Result<(), QueueError> {
+    if (0..=MAX_PRIORITY).contains(&priority) {
+        Ok(())
+    } else {
+        Err(QueueError::Invalid(format!(
+            "priority is {priority}; it must be 0 (the default) to {MAX_PRIORITY}, higher first"
+        )))
     }
 }
 
@@ -125,6 +150,7 @@ pub async fn enqueue_many(
     let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
     let schedules: Vec<Option<&str>> = jobs.iter().map(|j| j.schedule.as_deref()).collect();
     let runs: Vec<Option<&str>> = jobs.iter().map(|j| j.logical_run.as_deref()).collect();
+    let priorities: Vec<i16> = jobs.iter().map(|j| j.priority).collect();
 
     // One statement, so one round trip: the rows and the NOTIFY for each kind
     // that got a new row. (The count makes PostgreSQL run `notified`, which
@@ -132,10 +158,10 @@ pub async fn enqueue_many(
     let returned: Vec<(i64, Option<String>)> = sqlx::query_as(
         r#"
         WITH ins AS (
-            INSERT INTO almanac.jobs (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
-            SELECT kind, payload, coalesce(run_at, now()), coalesce(max_attempts, 5), key, schedule, logical_run
-            FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[])
-                 WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, ord)
+            INSERT INTO almanac.jobs (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
+            SELECT kind, payload, coalesce(run_at, now()), coalesce(max_attempts, 5), key, schedule, logical_run, priority
+            FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[], $9::smallint[])
+                 WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, priority, ord)
             ORDER BY ord
             ON CONFLICT (idempotency_key) DO NOTHING
             RETURNING id, idempotency_key, kind
@@ -154,6 +180,7 @@ pub async fn enqueue_many(
     .bind(&schedules)
     .bind(&runs)
     .bind(NOTIFY_CHANNEL)
+    .bind(&priorities)
     .fetch_all(&mut *conn)
     .await?;
 

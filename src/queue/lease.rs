@@ -39,12 +39,69 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// A kind's due jobs in claim order, at most `$limit` ($lock: the row
+/// locks to take; `$key`: an expression of the job `j` to return beside
+/// its id and order): the walk of `jobs_ready_kind_idx` in `(run_at, id)`
+/// order, and one walk per priority of `jobs_ready_priority_idx` (only
+/// when the kind has a ready job with a priority: one probe otherwise),
+/// ordered by `run_at - priority * PRIORITY_STEP`. The first `n` of that
+/// order are always among the first `n` of the walks: a job of priority 0
+/// is ordered by its due time, which no job due before it exceeds, and a
+/// job of priority p comes after every job of priority p due before it.
+macro_rules! due_walk {
+    ($limit:literal, $lock:literal, $key:literal) => {
+        concat!(
+            "SELECT w.id, w.run_at - w.priority * interval '5 minutes' AS ord, w.key FROM (
+        SELECT * FROM (SELECT j.id, j.run_at, j.priority, ", $key, " AS key FROM almanac.jobs j
+        WHERE j.status = 'ready'
+          AND (j.kind, j.run_at, j.id) >= (k.kind, '-infinity'::timestamptz, 0)
+          AND (j.kind, j.run_at) <= (k.kind, now())
+          AND j.kind = k.kind AND j.run_at <= now() AND coalesce(j.route, '') <> 'broker'
+        ORDER BY j.kind, j.run_at, j.id LIMIT ", $limit, " ", $lock, ") AS d
+        UNION
+        SELECT p.* FROM generate_series(1, 9) AS lv(n) CROSS JOIN LATERAL (
+            SELECT j.id, j.run_at, j.priority, ", $key, " AS key FROM almanac.jobs j
+            WHERE j.status = 'ready' AND j.priority > 0
+              AND (j.kind, j.priority, j.run_at, j.id) >= (k.kind, lv.n::smallint, '-infinity'::timestamptz, 0)
+              AND (j.kind, j.priority, j.run_at) <= (k.kind, lv.n::smallint, now())
+              AND j.kind = k.kind AND j.priority = lv.n AND j.run_at <= now()
+              AND coalesce(j.route, '') <> 'broker'
+            ORDER BY j.kind, j.priority, j.run_at, j.id LIMIT ", $limit, " ", $lock, ") AS p
+        WHERE EXISTS (SELECT 1 FROM almanac.jobs e
+                      WHERE e.status = 'ready' AND e.priority > 0 AND e.kind = k.kind)
+    ) AS w ORDER BY ord, w.id LIMIT ", $limit
+        )
+    };
+}
+
+/// How much waiting one step of priority is worth: a due job of priority
+/// p is claimed as if it had become due `p * PRIORITY_STEP` earlier. So a
+/// job is never passed by a job of its kind that became due more than
+/// `(9 - its priority) * PRIORITY_STEP` after it (45 minutes for priority
+/// 0): the bound on starvation. (The literal in [`CLAIM_SQL`] is this.)
+pub const PRIORITY_STEP: Duration = Duration::from_secs(5 * 60);
+
+/// How many due jobs a claim looks at, per kind with a per-key limit, to
+/// find ones whose key has a free slot: when the first this many all
+/// belong to keys at their limit, the claim takes none of the kind.
+pub const PER_KEY_WINDOW: i64 = 1000;
+
 /// [`claim`]'s statement: `$1` kinds, `$2` limit, `$3` lease in milliseconds.
 ///
-/// - Per kind, an ordered walk of `jobs_ready_kind_idx` that stops at the
-///   limit; then the earliest across kinds. (One scan with `kind = ANY($1)`
-///   would sort every ready row of those kinds.) Rows locked but not picked
-///   are released when this one-statement transaction commits.
+/// - First the kinds' budgets ([`super::limits`]): `almanac.claim_budgets`
+///   locks the limits of the limited kinds among `$1` and says how many of
+///   each this claim may start (`$2` for an unlimited kind).
+/// - Per kind, an ordered walk of its due jobs that stops at its budget
+///   ([`due_walk`]); then the earliest across kinds. (One scan with `kind
+///   = ANY($1)` would sort every ready row of those kinds.) Rows locked
+///   but not picked are released when this one-statement transaction
+///   commits.
+/// - A kind with a per-key limit is walked without locks over its first
+///   [`PER_KEY_WINDOW`] due jobs; those whose key has a free slot (counting
+///   the running ones and those picked before them) are then locked,
+///   skipping locked rows. Claims of a limited kind run one at a time (the
+///   budget's lock), so nothing races the unlocked walk but the writes of
+///   other roles, which the lock step skips.
 /// - Paused kinds ([`crate::control::pause`]) are not walked: two
 ///   primary-key probes of `almanac.kind_pauses` per kind.
 /// - Kinds routed to the broker are not walked. A job still on the broker
@@ -66,38 +123,60 @@ fn millis(d: Duration) -> i64 {
 /// - The update takes the picked ids as an array: primary-key lookups
 ///   whatever the estimates (the generic plan, not knowing the limit,
 ///   hash-joined a scan of the whole table).
+/// - A rate-limited kind's bucket is charged in the same statement.
 ///
-/// Keep the text short: `pg_stat_activity` shows its first 1,024 bytes, and
-/// tests find a waiting claim there by its `SKIP LOCKED`.
-pub const CLAIM_SQL: &str = r#"
-WITH picked AS (
-    SELECT c.id FROM (
-        SELECT u.kind FROM unnest($1::text[]) AS u(kind)
-        WHERE NOT EXISTS (SELECT 1 FROM almanac.routes r WHERE r.kind = u.kind AND r.mode = 'broker')
-          AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (u.kind, '*'))
-    ) AS k
-    CROSS JOIN LATERAL (
-        SELECT id, run_at FROM almanac.jobs
-        WHERE status = 'ready'
-          AND (kind, run_at, id) >= (k.kind, '-infinity'::timestamptz, 0)
-          AND (kind, run_at) <= (k.kind, now())
-          AND kind = k.kind AND run_at <= now()
-          AND coalesce(route, '') <> 'broker'
-        ORDER BY kind, run_at, id
-        LIMIT $2
-        FOR UPDATE SKIP LOCKED
-    ) AS c
-    ORDER BY c.run_at, c.id
-    LIMIT $2
+/// `pg_stat_activity` shows the first 1,024 bytes of a statement, and
+/// tests find a waiting claim there by its `SKIP LOCKED`: it comes first.
+pub const CLAIM_SQL: &str = concat!(
+    "/* claim: FOR UPDATE SKIP LOCKED */
+WITH b AS MATERIALIZED (
+    SELECT * FROM almanac.claim_budgets($1::text[], $2::bigint)
+), k AS (
+    SELECT b.* FROM b
+    WHERE b.budget > 0
+      AND NOT EXISTS (SELECT 1 FROM almanac.routes r WHERE r.kind = b.kind AND r.mode = 'broker')
+      AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (b.kind, '*'))
+), walked AS (
+    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
+    due_walk!("k.budget", "FOR UPDATE SKIP LOCKED", "NULL::text"),
+    "
+    ) AS c WHERE k.per_key_limit IS NULL
+), keyed AS (
+    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (
+        SELECT c.id, c.ord FROM (
+            SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
+                   row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
+            FROM (",
+    due_walk!("1000", "", "j.payload #>> k.key_path"),
+    ") AS c
+        ) AS c
+        WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit
+        ORDER BY c.ord, c.id LIMIT k.budget
+    ) AS c WHERE k.per_key_limit IS NOT NULL
+), keyed_locked AS (
+    SELECT y.kind, y.id, y.ord FROM keyed y
+    WHERE y.id IN (SELECT j.id FROM almanac.jobs j
+                   WHERE j.id IN (SELECT id FROM keyed) AND j.status = 'ready'
+                   FOR UPDATE SKIP LOCKED)
+), picked AS (
+    SELECT kind, id FROM (SELECT * FROM walked UNION ALL SELECT * FROM keyed_locked) AS p
+    ORDER BY ord, id LIMIT $2
+), claimed AS (
+    UPDATE almanac.jobs AS j
+    SET status = 'running',
+        attempts = j.attempts + 1,
+        lease_token = gen_random_uuid(),
+        lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+    WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
+    RETURNING j.*
+), charged AS (
+    UPDATE almanac.kind_limits AS l SET tokens = b.tokens - c.n, refilled_at = b.at
+    FROM b JOIN (SELECT kind, count(*) AS n FROM claimed GROUP BY kind) AS c ON c.kind = b.kind
+    WHERE l.kind = b.kind AND b.tokens IS NOT NULL
 )
-UPDATE almanac.jobs AS j
-SET status = 'running',
-    attempts = j.attempts + 1,
-    lease_token = gen_random_uuid(),
-    lease_until = clock_timestamp() + $3 * interval '1 millisecond'
-WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
-RETURNING j.*
-"#;
+SELECT * FROM claimed
+"
+);
 
 /// Claims due ready jobs in `(run_at, id)` order in one statement: rows locked
 /// by a concurrent claim are skipped, not waited for. The cost depends on the
@@ -134,6 +213,10 @@ pub enum ClaimById {
     /// The job is due and of a kind this consumer runs, but the kind is
     /// paused: hold the message, unacknowledged, until it is resumed.
     Paused(String),
+    /// The job is due and of a kind this consumer runs, but starting it
+    /// now would break one of its kind's limits ([`super::limits`]): hold
+    /// the message, unacknowledged, and try again shortly.
+    Limited(String),
     /// Someone else claimed it first, it finished, it is not due, or it left
     /// the broker route: the message is done with (acked and skipped).
     Skip,
@@ -141,9 +224,10 @@ pub enum ClaimById {
 
 /// Claims one job by id for a broker consumer, through the same fence as
 /// [`claim`]: only a due `ready` job of a handled kind on a `dual` or
-/// `broker` route, of a kind not paused. A job that would be claimable but
-/// for its kind, or for a pause, is told apart ([`ClaimById::OtherKind`],
-/// [`ClaimById::Paused`]), never skipped.
+/// `broker` route, of a kind not paused, within its kind's limits. A job
+/// that would be claimable but for its kind, a pause or a limit is told
+/// apart ([`ClaimById::OtherKind`], [`ClaimById::Paused`],
+/// [`ClaimById::Limited`]), never skipped.
 pub async fn claim_by_id(
     db: &mut PgConnection,
     id: i64,
@@ -160,6 +244,7 @@ pub async fn claim_by_id(
         WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind = ANY($2)
           AND route IN ('dual', 'broker')
           AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (almanac.jobs.kind, '*'))
+          AND NOT EXISTS (SELECT 1 FROM almanac.kind_limits l WHERE l.kind = almanac.jobs.kind)
         RETURNING *
         "#,
     )
@@ -171,24 +256,75 @@ pub async fn claim_by_id(
     if let Some(job) = claimed {
         return Ok(ClaimById::Claimed(Box::new(job)));
     }
-    // Not claimed: was it only the kind, or a pause? (A primary-key read,
-    // on misses only.)
-    let waiting: Option<(String, bool)> = sqlx::query_as(
+    // Not claimed: was it only the kind, a pause, or a limit? (Primary-key
+    // reads, on misses only.)
+    let waiting: Option<(String, bool, bool)> = sqlx::query_as(
         r#"
-        SELECT kind, EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (j.kind, '*'))
+        SELECT kind, EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (j.kind, '*')),
+               EXISTS (SELECT 1 FROM almanac.kind_limits l WHERE l.kind = j.kind)
         FROM almanac.jobs j
         WHERE id = $1 AND status = 'ready' AND run_at <= now() AND route IN ('dual', 'broker')
         "#,
     )
     .bind(id)
-    .fetch_optional(db)
+    .fetch_optional(&mut *db)
     .await?;
     Ok(match waiting {
-        Some((kind, _)) if !kinds.contains(&kind) => ClaimById::OtherKind(kind),
-        Some((kind, true)) => ClaimById::Paused(kind),
+        Some((kind, _, _)) if !kinds.contains(&kind) => ClaimById::OtherKind(kind),
+        Some((kind, true, _)) => ClaimById::Paused(kind),
+        Some((kind, false, true)) => match claim_limited_by_id(db, id, &kind, lease).await? {
+            Some(job) => ClaimById::Claimed(Box::new(job)),
+            None => ClaimById::Limited(kind),
+        },
         // Claimed, finished or made ready-not-due since the update looked.
         _ => ClaimById::Skip,
     })
+}
+
+/// [`claim_by_id`] of a job of a limited kind: within the budget
+/// `almanac.claim_budgets` gives (the kind's limits locked until this
+/// statement commits, as a [`claim`]'s are), and for a per-key limit only
+/// if the job's key has a free slot; a rate-limited kind's bucket is
+/// charged. `None`: the job must wait for a slot or a token (or it was
+/// taken, or its limit removed, since: the next try tells).
+async fn claim_limited_by_id(
+    db: &mut PgConnection,
+    id: i64,
+    kind: &str,
+    lease: Duration,
+) -> Result<Option<Job>, QueueError> {
+    let job = sqlx::query_as::<_, Job>(
+        r#"
+        WITH b AS MATERIALIZED (
+            SELECT * FROM almanac.claim_budgets(ARRAY[$2::text], 1)
+        ), claimed AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'running',
+                attempts = j.attempts + 1,
+                lease_token = gen_random_uuid(),
+                lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+            FROM b
+            WHERE j.id = $1 AND j.kind = b.kind AND j.status = 'ready' AND j.run_at <= now()
+              AND j.route IN ('dual', 'broker') AND b.limited AND b.budget > 0
+              AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (j.kind, '*'))
+              AND (b.per_key_limit IS NULL
+                   OR coalesce((b.key_running ->> coalesce('v' || (j.payload #>> b.key_path), 'n'))::bigint, 0)
+                      < b.per_key_limit)
+            RETURNING j.*
+        ), charged AS (
+            UPDATE almanac.kind_limits AS l SET tokens = b.tokens - 1, refilled_at = b.at
+            FROM b
+            WHERE l.kind = b.kind AND b.tokens IS NOT NULL AND EXISTS (SELECT 1 FROM claimed)
+        )
+        SELECT * FROM claimed
+        "#,
+    )
+    .bind(id)
+    .bind(kind)
+    .bind(millis(lease))
+    .fetch_optional(&mut *db)
+    .await?;
+    Ok(job)
 }
 
 /// Marks one job done if its lease is still held and unexpired (waiting

@@ -50,6 +50,7 @@ pub mod browse;
 mod enqueue;
 mod interrupt;
 mod lease;
+pub mod limits;
 mod retention;
 pub mod routing;
 
@@ -62,11 +63,14 @@ pub use admin::{
     JobFilter, KindAge, KindStatusCount, Stats, CANCEL_CHANNEL,
 };
 pub use backoff::Backoff;
-pub use enqueue::{enqueue, enqueue_many, Enqueued, NewJob, NOTIFY_CHANNEL};
+pub use enqueue::{
+    check_priority, enqueue, enqueue_many, Enqueued, NewJob, MAX_PRIORITY, NOTIFY_CHANNEL,
+};
 pub use interrupt::{cancel_requests, snooze, CancelRequest};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, fail, heartbeat_many, reap_expired, release,
     statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, Written, CLAIM_SQL,
+    PER_KEY_WINDOW, PRIORITY_STEP,
 };
 pub use retention::delete_finished;
 
@@ -163,6 +167,8 @@ pub struct Job {
     pub cancelled_by: Option<String>,
     /// Why, in their words.
     pub cancel_reason: Option<String>,
+    /// 0 to 9, higher claimed first within its kind.
+    pub priority: i16,
 }
 
 impl Job {

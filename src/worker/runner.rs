@@ -56,6 +56,12 @@ pub(super) async fn run(
     // and they must not stay idle while jobs wait.
     let refill = (config.batch_size.min(config.concurrency) / 2).max(1);
     let mut backlog = false;
+    // Whether one of our kinds has limits (`almanac limits`): a claim that
+    // came back short may then have left due jobs behind for a limit, and
+    // the worker claims again as soon as one of its own jobs ends (which
+    // frees a slot of the limit too), not only on the next poll. Read at
+    // start and on every poll.
+    let mut limited = has_limits(&mut link, &kinds).await.unwrap_or(false);
     while !shutdown.is_cancelled() {
         let want = if backlog { refill } else { 1 };
         if executor.free_slots() < want {
@@ -122,10 +128,15 @@ pub(super) async fn run(
         if backlog {
             continue;
         }
+        let free = executor.free_slots();
+        let busy = free < config.concurrency;
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = wake.notified() => {}
-            _ = sleep(config.poll_interval) => {}
+            _ = executor.slots(free + 1), if limited && busy => {}
+            _ = sleep(config.poll_interval) => {
+                limited = has_limits(&mut link, &kinds).await.unwrap_or(limited);
+            }
         }
     }
 
@@ -213,6 +224,24 @@ async fn hand_back(pool: PgPool, leases: Vec<(i64, uuid::Uuid)>, within: Duratio
             jobs = count,
             "handing back jobs claimed at shutdown timed out; they return when their leases expire"
         ),
+    }
+}
+
+/// Whether any of `kinds` has limits; `None` if the database did not say.
+async fn has_limits(link: &mut db::Held, kinds: &[String]) -> Option<bool> {
+    let conn = link.get().await.ok()?;
+    let found = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM almanac.kind_limits WHERE kind = ANY($1))",
+    )
+    .bind(kinds)
+    .fetch_one(conn)
+    .await;
+    match found {
+        Ok(found) => Some(found),
+        Err(_) => {
+            link.discard();
+            None
+        }
     }
 }
 

@@ -31,6 +31,7 @@ mod exec;
 mod exec_faults;
 mod leader;
 mod leader_faults;
+mod limits;
 mod migration;
 mod ops;
 mod pause;
