@@ -95,9 +95,10 @@ BEGIN
                    + greatest(extract(epoch FROM clock_timestamp() - coalesce(l.refilled_at, clock_timestamp())), 0)
                      * 1000.0 / l.rate_period_ms * l.rate)
                END AS tokens,
-               (SELECT count(*) FROM almanac.jobs r
-                WHERE r.status = 'running' AND r.kind = u.kind
-                  AND r.lease_until > clock_timestamp()) AS running
+               CASE WHEN l.global_limit IS NOT NULL THEN (
+                   SELECT count(*) FROM almanac.jobs r
+                   WHERE r.status = 'running' AND r.kind = u.kind
+                     AND r.lease_until > clock_timestamp()) END AS running
         FROM unnest(p_kinds) AS u(kind)
         LEFT JOIN almanac.kind_limits l ON l.kind = u.kind
     )

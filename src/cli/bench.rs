@@ -6,7 +6,9 @@
 //!   `queue::complete_many`) driven by `--connections` concurrent connections
 //!   with nothing in between, at batch 1, 10, 100 and 1000: the ceiling.
 //! - **runtime**: the worker runtime burning down `--jobs` no-op jobs with its
-//!   default settings, and with tuned ones (`--tuned-*`).
+//!   default settings, the same under limits that never bind (a global
+//!   limit; global, per-key and rate limits at once: what a limit costs
+//!   when it holds nothing back), and with tuned ones (`--tuned-*`).
 //! - **latency**: enqueue commit to handler start, jobs enqueued one at a time
 //!   into an idle queue, with LISTEN/NOTIFY and with polling only.
 //! - **exec**: the shell-command handler running `true`.
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Ctx;
 use crate::db;
+use crate::queue::limits::{Limits, PerKey, Rate};
 use crate::queue::{self, Claim};
 use crate::role::{Role, Settings};
 use crate::worker::exec::ExecHandler;
@@ -70,6 +73,8 @@ struct Report {
     /// Batch size -> jobs/s.
     raw_jobs_per_s: BTreeMap<usize, f64>,
     runtime_default_jobs_per_s: f64,
+    /// The default runtime under limits that never bind, by case.
+    runtime_limited_jobs_per_s: BTreeMap<String, f64>,
     runtime_tuned_jobs_per_s: f64,
     tuned_settings: String,
     latency_listen_ms: Percentiles,
@@ -142,6 +147,24 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     let dead_tuples = dead_tuples(pool).await?;
     eprintln!("runtime (defaults): {default:.0} jobs/s");
 
+    // The same burn-down under limits that do not bind, side by side:
+    // what a limit costs when it holds nothing back.
+    let mut limited = BTreeMap::new();
+    for (case, limits) in unbinding_limits() {
+        vacuum(pool).await?;
+        fill(pool, args.jobs).await?;
+        let actor = crate::control::Actor::new("almanac bench", crate::control::Source::Cli);
+        let mut conn = pool.acquire().await?;
+        crate::control::limits::set(&mut conn, &actor, KIND, &limits).await?;
+        let rate = burn(pool, WorkerConfig::default(), args.jobs).await?;
+        crate::control::limits::clear(&mut conn, &actor, KIND).await?;
+        eprintln!(
+            "runtime (defaults) under {case}: {rate:.0} jobs/s ({:.2} of without)",
+            rate / default
+        );
+        limited.insert(case.to_string(), rate);
+    }
+
     vacuum(pool).await?;
     let tuned_config = WorkerConfig {
         concurrency: args.tuned_concurrency,
@@ -170,6 +193,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
         connections: args.connections,
         raw_jobs_per_s: raw,
         runtime_default_jobs_per_s: default,
+        runtime_limited_jobs_per_s: limited,
         runtime_tuned_jobs_per_s: tuned,
         tuned_settings,
         latency_listen_ms: listen,
@@ -181,13 +205,41 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     })
 }
 
-/// `n` ready no-op jobs, due now, in one statement.
+/// Limits far above anything the burn-down reaches: a global limit, and
+/// all three kinds at once (the per-key pointer names a key every job has,
+/// a different value each).
+fn unbinding_limits() -> [(&'static str, Limits); 2] {
+    let global = Limits {
+        global: Some(1_000_000),
+        ..Limits::default()
+    };
+    let all = Limits {
+        global: Some(1_000_000),
+        per_key: Some(PerKey {
+            pointer: "/customer".to_string(),
+            limit: 1_000,
+        }),
+        rate: Some(Rate {
+            count: 1_000_000_000,
+            period: Duration::from_secs(1),
+        }),
+        burst: 1_000_000,
+    };
+    [
+        ("a global limit", global),
+        ("global, per-key and rate limits", all),
+    ]
+}
+
+/// `n` ready no-op jobs, due now, in one statement; each has a payload
+/// with a key of its own (`customer`, for the per-key limit).
 async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
     sqlx::query("DELETE FROM almanac.jobs")
         .execute(pool)
         .await?;
     sqlx::query(
-        "INSERT INTO almanac.jobs (kind, run_at) SELECT $1, now() - interval '1 second' FROM generate_series(1, $2)",
+        "INSERT INTO almanac.jobs (kind, run_at, payload) \
+         SELECT $1, now() - interval '1 second', jsonb_build_object('customer', g) FROM generate_series(1, $2) AS g",
     )
     .bind(KIND)
     .bind(n as i64)
@@ -419,6 +471,14 @@ fn print_table(r: &Report) {
         r.runtime_default_jobs_per_s,
         r.runtime_default_jobs_per_s / best
     );
+    for (case, rate) in &r.runtime_limited_jobs_per_s {
+        println!(
+            "{:<44} {:>14.0}  ({:.2} of without)",
+            format!("  the same, under {case} that never binds"),
+            rate,
+            rate / r.runtime_default_jobs_per_s
+        );
+    }
     println!(
         "{:<44} {:>14.0}  ({:.2} of best raw)",
         "worker runtime, tuned",

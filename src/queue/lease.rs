@@ -147,7 +147,11 @@ WITH b AS MATERIALIZED (
             SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
                    row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
             FROM (",
-    due_walk!("1000", "", "j.payload #>> k.key_path"),
+    due_walk!(
+        "least(1000, greatest(100, 2 * k.budget))",
+        "",
+        "j.payload #>> k.key_path"
+    ),
     ") AS c
         ) AS c
         WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit

@@ -1,5 +1,5 @@
 //! Per-kind limits held across real processes (issue #23): three `almanac
-//! work` processes of 32 slots and an `almanac consume` on a `dual` kind,
+//! work` processes of 32 slots and an `almanac consume` (of 8) on a `dual` kind,
 //! each job a 200 ms shell command that writes its start and end to an
 //! execution log. The log, not the database, is what the assertions read:
 //! what ran, and when. The full-size run (5,000 jobs, rate 600/1m) is
@@ -133,16 +133,22 @@ fn every_job_once(runs: &[Run], ids: &[i64], open_until: i64) {
     );
 }
 
-/// The cluster: three workers of 32 slots and a consumer of 32 on the
-/// kind's queue, a relay feeding it.
+/// The cluster: three workers of 32 slots and a consumer of 8 on the
+/// kind's queue, a relay feeding it and a reaper: about 45 connections
+/// (a consumer of 32 would hold 33 for its claims alone), so one cluster
+/// runs at a time ([`ONE_AT_A_TIME`]) within PostgreSQL's default 100.
 struct Cluster {
+    _turn: tokio::sync::MutexGuard<'static, ()>,
     workers: Vec<Option<Proc>>,
     consumer: Proc,
     relay: Proc,
 }
 
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 impl Cluster {
-    fn start(url: &str, kind: &str, queue: &str, log: &Path, lease: &str) -> Cluster {
+    async fn start(url: &str, kind: &str, queue: &str, log: &Path, lease: &str) -> Cluster {
+        let turn = ONE_AT_A_TIME.lock().await;
         let worker = |n: usize| {
             let mut cmd = harness::almanac();
             cmd.args(["work", "--handler"])
@@ -181,6 +187,7 @@ impl Cluster {
             .env("DATABASE_URL", url)
             .stdout(Stdio::null());
         Cluster {
+            _turn: turn,
             workers: (1..=3).map(worker).collect(),
             consumer: Proc::spawn(consumer),
             relay: Proc::spawn(relay),
@@ -250,7 +257,7 @@ async fn global_limit(pool: PgPool, jobs: i64) {
     };
     set_limits(&pool, "api", global).await;
     let lease = Duration::from_secs(5);
-    let mut cluster = Cluster::start(&url, "api", &queue, &log, "5s");
+    let mut cluster = Cluster::start(&url, "api", &queue, &log, "5s").await;
     let ids = enqueue(&pool, "api", jobs, "'{}'::jsonb").await;
 
     // Mid-run, SIGKILL the worker running the most jobs of the limit.
@@ -289,12 +296,13 @@ async fn global_limit(pool: PgPool, jobs: i64) {
     all_done(&pool, "api", jobs as usize, Duration::from_secs(240)).await;
     cluster.stop().await;
     let runs = runs(&log);
-    let now = nanos_now();
-    every_job_once(&runs, &ids, now);
-    // Runs the killed worker never ended count as running until its leases
-    // ran out: that is when the limit lets their slots go.
+    // The killed worker's commands die with it (its watchdog polls every
+    // 500 ms): the runs it never ended count as running for a second more.
+    // Their slots stay taken until their leases run out.
     let lease_ns = lease.as_nanos() as i64;
-    let at_once = most_at_once(&runs, killed_at + lease_ns, |_| ())[&()];
+    let open_until = killed_at + 1_000_000_000;
+    every_job_once(&runs, &ids, open_until);
+    let at_once = most_at_once(&runs, open_until, |_| ())[&()];
     assert!(
         at_once <= 10,
         "{at_once} jobs ran at once under a global limit of 10"
@@ -303,7 +311,7 @@ async fn global_limit(pool: PgPool, jobs: i64) {
         at_once, 10,
         "the limit was never reached: the test proves nothing"
     );
-    let by_process = most_at_once(&runs, killed_at + lease_ns, |r| r.process.clone());
+    let by_process = most_at_once(&runs, open_until, |r| r.process.clone());
     assert!(
         by_process.get("c").is_some_and(|n| *n > 0),
         "the consumer ran none: {by_process:?}"
@@ -355,7 +363,7 @@ async fn per_key_limit(pool: PgPool, jobs: i64) {
         ..Limits::default()
     };
     set_limits(&pool, "sync", per_key).await;
-    let cluster = Cluster::start(&url, "sync", &queue, &log, "30s");
+    let cluster = Cluster::start(&url, "sync", &queue, &log, "30s").await;
     let mut ids = enqueue(
         &pool,
         "sync",
@@ -421,7 +429,7 @@ async fn rate_limit(
         ..Limits::default()
     };
     set_limits(&pool, "mail", limits).await;
-    let cluster = Cluster::start(&url, "mail", &queue, &log, "30s");
+    let cluster = Cluster::start(&url, "mail", &queue, &log, "30s").await;
     let started = Instant::now();
     let ids = enqueue(&pool, "mail", jobs, "'{}'::jsonb").await;
     all_done(
