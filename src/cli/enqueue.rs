@@ -1,4 +1,5 @@
-//! `almanac enqueue KIND [--payload JSON] [--key KEY] [--run-at RFC3339] [--max-attempts N]`
+//! `almanac enqueue KIND [--payload JSON] [--key KEY] [--run-at RFC3339] [--max-attempts N]
+//! [--priority 0-9]`
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
@@ -22,6 +23,27 @@ pub struct Args {
     /// Attempts before the job is dead (default 5).
     #[arg(long, env = "ALMANAC_MAX_ATTEMPTS", value_parser = clap::value_parser!(i32).range(1..))]
     max_attempts: Option<i32>,
+    /// 0 (the default) to 9: among the kind's due jobs the higher is
+    /// claimed first, within a bound on how long a lower one waits.
+    #[arg(long, env = "ALMANAC_PRIORITY", default_value = "0", allow_negative_numbers = true,
+          value_parser = parse_priority)]
+    priority: i16,
+}
+
+/// A priority as the queue takes it: its own message names a value out of
+/// range ([`queue::check_priority`]).
+pub fn parse_priority(s: &str) -> Result<i16, String> {
+    let p: i16 = s.trim().parse().map_err(|_| {
+        format!(
+            "priority is `{s}`; it must be a whole number, 0 (the default) to {}, higher first",
+            queue::MAX_PRIORITY
+        )
+    })?;
+    queue::check_priority(p).map_err(|e| match e {
+        queue::QueueError::Invalid(m) => m,
+        other => other.to_string(),
+    })?;
+    Ok(p)
 }
 
 pub fn parse_json(s: &str) -> Result<serde_json::Value, String> {
@@ -40,7 +62,9 @@ pub fn parse_instant(s: &str) -> Result<DateTime<Utc>, String> {
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.pool().await?;
-    let mut job = NewJob::new(args.kind).payload(args.payload);
+    let mut job = NewJob::new(args.kind)
+        .payload(args.payload)
+        .priority(args.priority);
     job.run_at = args.run_at;
     job.max_attempts = args.max_attempts;
     job.idempotency_key = args.key.clone();

@@ -220,8 +220,8 @@ const CANCEL_POLL: Duration = Duration::from_millis(100);
 
 fn print_table(jobs: &[Job]) {
     println!(
-        "{:>10}  {:<20} {:<8} {:>8}  {:<25} LAST ERROR",
-        "ID", "KIND", "STATUS", "ATTEMPTS", "RUN AT"
+        "{:>10}  {:<20} {:<8} {:>3} {:>8}  {:<25} LAST ERROR",
+        "ID", "KIND", "STATUS", "PRI", "ATTEMPTS", "RUN AT"
     );
     for job in jobs {
         let error = job.last_error.as_deref().unwrap_or("");
@@ -233,10 +233,11 @@ fn print_table(jobs: &[Job]) {
             .take(60)
             .collect();
         println!(
-            "{:>10}  {:<20} {:<8} {:>8}  {:<25} {}",
+            "{:>10}  {:<20} {:<8} {:>3} {:>8}  {:<25} {}",
             job.id,
             job.kind,
             job.status,
+            job.priority,
             format!("{}/{}", job.attempts, job.max_attempts),
             job.run_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
             error
@@ -254,6 +255,7 @@ fn print_job(job: &Job) {
     println!("kind:            {}", job.kind);
     println!("status:          {}", job.status);
     println!("attempts:        {}/{}", job.attempts, job.max_attempts);
+    println!("priority:        {}", job.priority);
     println!("run at:          {}", job.run_at.to_rfc3339());
     println!("lease until:     {}", time(job.lease_until));
     println!("idempotency key: {}", job.effective_idempotency_key());

@@ -182,7 +182,9 @@ SELECT * FROM claimed
 "
 );
 
-/// Claims due ready jobs in `(run_at, id)` order in one statement: rows locked
+/// Claims due ready jobs in one statement, earliest first by `run_at -
+/// priority * PRIORITY_STEP` (so `(run_at, id)` order among jobs of one
+/// priority; see [`PRIORITY_STEP`] for the bound on waiting): rows locked
 /// by a concurrent claim are skipped, not waited for. The cost depends on the
 /// batch size and the number of kinds, not on how many jobs are waiting. Each job gets its own
 /// fresh lease token. Jobs routed to the broker are left to broker consumers,

@@ -112,6 +112,9 @@ impl Synced {
                 _ => Overlap::Allow,
             },
             max_attempts: self.max_attempts,
+            // `almanac.schedules` has no priority column (yet): a schedule
+            // read back from the database emits at the default priority.
+            priority: 0,
             enabled: self.enabled,
             deadline,
             origin: "the database".into(),

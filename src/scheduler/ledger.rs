@@ -325,6 +325,7 @@ pub async fn record_in(
     let mut kinds = Vec::with_capacity(n);
     let mut payloads = Vec::with_capacity(n);
     let mut attempts = Vec::with_capacity(n);
+    let mut priorities = Vec::with_capacity(n);
     let mut keys = Vec::with_capacity(n);
     for (schedule, planned) in batch {
         let outcome = match planned.decision {
@@ -348,6 +349,7 @@ pub async fn record_in(
         kinds.push(schedule.kind.as_str());
         payloads.push(&schedule.payload);
         attempts.push(schedule.max_attempts);
+        priorities.push(schedule.priority);
         keys.push(schedule.job_key(&planned.run.logical_run));
     }
     let on_conflict = if emit_skipped {
@@ -361,8 +363,9 @@ pub async fn record_in(
         r#"
         WITH planned AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],
-                                 $6::text[], $7::jsonb[], $8::int[], $9::text[])
-                AS p(schedule, logical_run, fire_at, source, outcome, kind, payload, max_attempts, key)
+                                 $6::text[], $7::jsonb[], $8::int[], $9::text[], $11::smallint[])
+                AS p(schedule, logical_run, fire_at, source, outcome, kind, payload, max_attempts, key,
+                     priority)
         ), recorded AS (
             INSERT INTO almanac.schedule_runs AS r (schedule, logical_run, fire_at, source, outcome, job_id)
             SELECT p.schedule, p.logical_run, p.fire_at, p.source, p.outcome,
@@ -375,11 +378,12 @@ pub async fn record_in(
             RETURNING r.schedule, r.logical_run, r.outcome, r.job_id, (r.xmax <> 0) AS was_there
         ), emitted AS (
             INSERT INTO almanac.jobs
-                (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
+                (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run,
+                 priority)
             OVERRIDING SYSTEM VALUE
             SELECT r.job_id, p.kind, p.payload,
                    CASE WHEN p.source = 'trigger' THEN least(p.fire_at, now()) ELSE p.fire_at END,
-                   p.max_attempts, p.key, r.schedule, r.logical_run
+                   p.max_attempts, p.key, r.schedule, r.logical_run, p.priority
             FROM recorded r JOIN planned p USING (schedule, logical_run)
             WHERE r.job_id IS NOT NULL
             ON CONFLICT (idempotency_key) DO NOTHING
@@ -402,6 +406,7 @@ pub async fn record_in(
     .bind(&attempts)
     .bind(&keys)
     .bind(queue::NOTIFY_CHANNEL)
+    .bind(&priorities)
     .fetch_all(&mut *tx)
     .await?;
     let mut written = 0;

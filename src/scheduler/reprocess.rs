@@ -209,7 +209,8 @@ SELECT 1 FROM almanac.schedule_runs
 
 /// Replaces the finished jobs of locked ledger rows (see the module doc):
 /// `$2` the logical runs, `$3` their base keys, `$4` the job states to
-/// replace (`dead`, `done`, `deleted`). One statement: the ledger row and
+/// replace (`dead`, `done`, `deleted`); `$5`, `$6`, `$7`, `$9` the new
+/// jobs' kind, payload, max_attempts and priority. One statement: the ledger row and
 /// its new job are written together (the foreign key is checked at its
 /// end, when both exist).
 pub const REPLACE: &str = r#"
@@ -229,9 +230,9 @@ WITH planned AS (
        AND NOT EXISTS (SELECT 1 FROM active a WHERE a.logical_run = r.logical_run)
 ), emitted AS (
     INSERT INTO almanac.jobs
-        (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run)
+        (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
     OVERRIDING SYSTEM VALUE
-    SELECT c.id, $5, $6, c.fire_at, $7, c.key || '#' || c.id, $1, c.logical_run
+    SELECT c.id, $5, $6, c.fire_at, $7, c.key || '#' || c.id, $1, c.logical_run, $9::smallint
       FROM chosen c
     RETURNING id
 ), relinked AS (
@@ -312,6 +313,7 @@ pub async fn replace(
         .bind(&schedule.payload)
         .bind(schedule.max_attempts)
         .bind(queue::NOTIFY_CHANNEL)
+        .bind(schedule.priority)
         .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;

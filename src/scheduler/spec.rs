@@ -68,6 +68,9 @@ pub struct Schedule {
     pub start: Option<NaiveDate>,
     pub overlap: Overlap,
     pub max_attempts: i32,
+    /// The priority of every job the schedule emits (0 to
+    /// [`crate::queue::MAX_PRIORITY`], higher claimed first within a kind).
+    pub priority: i16,
     pub enabled: bool,
     /// By when each run should have succeeded (see [`super::deadline`]).
     pub deadline: Option<Deadline>,
@@ -95,6 +98,10 @@ impl Schedule {
         });
         if let Some(deadline) = &self.deadline {
             d["deadline"] = deadline.to_string().into();
+        }
+        // Likewise a schedule of the default priority has no `priority` key.
+        if self.priority != 0 {
+            d["priority"] = self.priority.into();
         }
         d
     }
@@ -169,6 +176,7 @@ struct RawSchedule {
     start: Option<Spanned<toml::Value>>,
     overlap: Option<Spanned<String>>,
     max_attempts: Option<Spanned<i64>>,
+    priority: Option<Spanned<toml::Value>>,
     enabled: Option<bool>,
     deadline: Option<Spanned<String>>,
 }
@@ -444,6 +452,10 @@ fn validate(
                 )
             })?,
     };
+    let priority = match &raw.priority {
+        None => 0,
+        Some(value) => priority_of(value.get_ref()).map_err(|e| fail(value.span(), e))?,
+    };
     let deadline = match &raw.deadline {
         None => None,
         Some(text) => Some(Deadline::parse(text.get_ref(), tz).map_err(|e| fail(text.span(), e))?),
@@ -458,10 +470,32 @@ fn validate(
         start,
         overlap,
         max_attempts,
+        priority,
         enabled: raw.enabled.unwrap_or(true),
         deadline,
         origin: String::new(),
     })
+}
+
+/// A schedule's `priority`: a whole number the queue accepts
+/// ([`crate::queue::check_priority`], whose message names the value).
+fn priority_of(value: &toml::Value) -> Result<i16, String> {
+    use crate::queue::{check_priority, QueueError, MAX_PRIORITY};
+    let message = |e: QueueError| match e {
+        QueueError::Invalid(m) => m,
+        other => other.to_string(),
+    };
+    match value {
+        toml::Value::Integer(n) => match i16::try_from(*n) {
+            Ok(p) => check_priority(p).map(|()| p).map_err(message),
+            Err(_) => Err(format!(
+                "priority is {n}; it must be 0 (the default) to {MAX_PRIORITY}, higher first"
+            )),
+        },
+        other => Err(format!(
+            "priority is {other}; it must be a whole number, 0 (the default) to {MAX_PRIORITY}, higher first"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -568,7 +602,7 @@ deadline = "by noon"
 "#;
         let err = load(&[("s/1.toml", good), ("s/2.toml", bad)]).unwrap_err();
         // Unknown keys fail the file's parse before anything else is checked.
-        assert_eq!(err, "s/2.toml:18: unknown field `retries`, expected one of `cron`, `timezone`, `kind`, `payload`, `catchup`, `catchup_window`, `start`, `overlap`, `max_attempts`, `enabled`, `deadline`\nschedules rejected: 1 problem; nothing from them was applied");
+        assert_eq!(err, "s/2.toml:18: unknown field `retries`, expected one of `cron`, `timezone`, `kind`, `payload`, `catchup`, `catchup_window`, `start`, `overlap`, `max_attempts`, `priority`, `enabled`, `deadline`\nschedules rejected: 1 problem; nothing from them was applied");
 
         let bad = bad.replace("retries = 3", "");
         let err = load(&[("s/2.toml", &bad)]).unwrap_err();
@@ -581,6 +615,43 @@ deadline = "by noon"
             "s/2.toml:22: schedule `f`: deadline `by noon` is neither a duration (30m, 2h, 1d) nor a local time of day (06:00)",
             "schedules rejected: 5 problems; nothing from them was applied",
         ]);
+    }
+
+    #[test]
+    fn a_priority_loads_and_a_bad_one_is_refused_naming_file_schedule_and_value() {
+        let all = load(&[(
+            "s/a.toml",
+            "[hot]\ncron = \"@daily\"\npriority = 7\n[plain]\ncron = \"@daily\"\n",
+        )])
+        .unwrap();
+        assert_eq!((all[0].priority, all[1].priority), (7, 0));
+        assert_eq!(all[0].definition()["priority"], 7);
+        // The default keeps the definition (and its hash) as it was.
+        assert!(all[1].definition().get("priority").is_none());
+
+        for (value, says) in [
+            ("10", "priority is 10; it must be 0 (the default) to 9, higher first"),
+            ("-1", "priority is -1; it must be 0 (the default) to 9, higher first"),
+            ("70000", "priority is 70000; it must be 0 (the default) to 9, higher first"),
+            (
+                "\"high\"",
+                "priority is \"high\"; it must be a whole number, 0 (the default) to 9, higher first",
+            ),
+            (
+                "1.5",
+                "priority is 1.5; it must be a whole number, 0 (the default) to 9, higher first",
+            ),
+        ] {
+            let err = load(&[(
+                "s/b.toml",
+                &format!("[ok]\ncron = \"@daily\"\n\n[urgent]\ncron = \"@daily\"\npriority = {value}\n"),
+            )])
+            .unwrap_err();
+            assert_eq!(
+                err,
+                format!("s/b.toml:6: schedule `urgent`: {says}\nschedules rejected: 1 problem; nothing from them was applied")
+            );
+        }
     }
 
     #[test]

@@ -110,7 +110,7 @@ pub(super) fn job_table(jobs: &[queue::Job]) -> Markup {
         } @else {
             div .scroll { table #jobs {
                 thead { tr {
-                    th .num { "id" } th { "kind" } th { "status" } th .num { "attempts" }
+                    th .num { "id" } th { "kind" } th { "status" } th .num { "priority" } th .num { "attempts" }
                     th { "run at" } th { "schedule / run" } th { "last error" }
                 } }
                 tbody {
@@ -119,6 +119,7 @@ pub(super) fn job_table(jobs: &[queue::Job]) -> Markup {
                             td .num { a href={"/jobs/" (j.id)} { (j.id) } }
                             td { (j.kind) }
                             td { (view::status(j.status)) }
+                            td .num .priority { (j.priority) }
                             td .num { (j.attempts) "/" (j.max_attempts) }
                             td { (time(j.run_at)) }
                             td { @match (&j.schedule, &j.logical_run) {
@@ -165,6 +166,7 @@ pub(super) async fn detail(
             dt { "kind" } dd #kind { (job.kind) }
             dt { "status" } dd #status { (view::status(job.status)) }
             dt { "attempts" } dd #attempts { (job.attempts) " of " (job.max_attempts) }
+            dt { "priority" } dd #priority { (job.priority) }
             dt { "run at" } dd { (time(job.run_at)) }
             dt { "created" } dd { (time(job.created_at)) }
             dt { "finished" } dd { (opt_time(job.finished_at)) }

@@ -18,15 +18,15 @@ use crate::harness::{self, count};
 const OPS: &str = "Basic b3BzOnMzY3JldA==";
 
 /// The HTTP server `almanac run` serves, in this process: the dashboard and
-/// the API mounted as `run` mounts them.
-struct Server {
+/// the API mounted as `run` mounts them (other areas' tests use it too).
+pub(crate) struct Server {
     addr: String,
     stop: CancellationToken,
     serving: tokio::task::JoinHandle<Result<(), almanac::http::HttpError>>,
 }
 
 impl Server {
-    async fn start(pool: &PgPool, actions: bool, auth: bool) -> Server {
+    pub(crate) async fn start(pool: &PgPool, actions: bool, auth: bool) -> Server {
         let auth: Option<almanac::http::BasicAuth> = auth.then(|| "ops:s3cret".parse().unwrap());
         let server = almanac::http::HttpServer::bind(
             "127.0.0.1:0".parse().unwrap(),
@@ -50,7 +50,7 @@ impl Server {
         }
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.cancel();
         self.serving.await.unwrap().unwrap();
     }
@@ -79,7 +79,7 @@ impl Server {
         }
     }
 
-    async fn get(&self, path: &str) -> Reply {
+    pub(crate) async fn get(&self, path: &str) -> Reply {
         self.send("GET", path, &[], "").await
     }
 
@@ -98,14 +98,14 @@ impl Server {
 }
 
 #[derive(Debug)]
-struct Reply {
-    status: u16,
+pub(crate) struct Reply {
+    pub(crate) status: u16,
     head: String,
-    body: String,
+    pub(crate) body: String,
 }
 
 impl Reply {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         assert!(
             self.head
                 .to_ascii_lowercase()

@@ -7,8 +7,10 @@
 
 use std::time::Duration;
 
-use almanac::queue::{self, Claim, NewJob, CLAIM_SQL};
+use almanac::queue::{self, Claim, NewJob};
 use sqlx::PgPool;
+
+use crate::harness;
 
 /// `n` due jobs of `lagging`, routed to the broker (as after `route set
 /// lagging --mode broker`), and `n` jobs of `local` due tomorrow (retries
@@ -44,59 +46,9 @@ async fn fill(pool: &PgPool, n: i64) {
     }
 }
 
-/// Shared buffers (hit + read) the claim of `kinds` touches, limit 10, under
-/// each plan cache mode; rolled back.
-async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serde_json::Value)> {
-    let mut conn = pool.acquire().await.unwrap();
-    // The budget function's statements are planned on their first call in
-    // a session (about 190 buffers of catalog reads, once): a worker's
-    // claims after its first.
-    sqlx::query(&format!(
-        "SELECT * FROM almanac.claim_budgets('{kinds}', 1)"
-    ))
-    .execute(&mut *conn)
-    .await
-    .unwrap();
-    sqlx::raw_sql(&format!(
-        "PREPARE claim (text[], bigint, bigint) AS {CLAIM_SQL}"
-    ))
-    .execute(&mut *conn)
-    .await
-    .unwrap();
-    let mut out = Vec::new();
-    for mode in ["force_custom_plan", "force_generic_plan"] {
-        sqlx::raw_sql(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        let plan: serde_json::Value = sqlx::query_scalar(&format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim ('{kinds}', 10, 30000)"
-        ))
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap();
-        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-        let root = &plan[0]["Plan"];
-        let buffers = root["Shared Hit Blocks"].as_i64().unwrap()
-            + root["Shared Read Blocks"].as_i64().unwrap();
-        out.push((mode.to_string(), buffers, plan));
-    }
-    out
-}
-
-/// The relations `node` and its children read with a sequential scan.
-fn seq_scans(node: &serde_json::Value, out: &mut Vec<String>) {
-    if node["Node Type"] == "Seq Scan" {
-        out.push(node["Relation Name"].as_str().unwrap_or("").to_string());
-    }
-    for child in node["Plans"].as_array().into_iter().flatten() {
-        seq_scans(child, out);
-    }
-}
-
 async fn a_claim_reads_none_of_the_broker_backlog(pool: PgPool, n: i64) {
     fill(&pool, n).await;
-    for (mode, buffers, plan) in claim_buffers(&pool, "{lagging,local}").await {
+    for (mode, buffers, plan) in harness::claim_buffers(&pool, "{lagging,local}").await {
         // The local kind's 10 rows and their index pages, the routes lookup:
         // a few dozen buffers. Walking the backlog (or the kind's future
         // jobs) cost about 1,500 per 100,000 jobs.
@@ -105,7 +57,7 @@ async fn a_claim_reads_none_of_the_broker_backlog(pool: PgPool, n: i64) {
             "{mode}: {buffers} buffers for a claim of 10:\n{plan:#}"
         );
         let mut scans = Vec::new();
-        seq_scans(&plan[0]["Plan"], &mut scans);
+        harness::seq_scans(&plan[0]["Plan"], &mut scans);
         assert!(!scans.contains(&"jobs".to_string()), "{mode}: {plan:#}");
     }
     // And the claim itself: the local jobs, none of the broker's.

@@ -35,6 +35,7 @@ mod limits;
 mod migration;
 mod ops;
 mod pause;
+mod priority;
 mod queue;
 mod redrive_gate;
 mod relay;

@@ -893,6 +893,7 @@ async fn reprocess_statements_use_indexes_on_a_long_history(pool: PgPool) {
                 .bind(serde_json::json!({}))
                 .bind(5)
                 .bind("almanac_jobs")
+                .bind(0_i16)
                 .fetch_one(&pool)
                 .await
                 .unwrap(),

@@ -178,3 +178,57 @@ pub fn logging_handler(
         })
     }
 }
+
+/// Shared buffers (hit + read) the claim of `kinds` (a `text[]` literal,
+/// `{a,b}`) touches, limit 10, under each plan cache mode, with the plan
+/// (`EXPLAIN (ANALYZE, BUFFERS)` of the prepared [`almanac::queue::CLAIM_SQL`]);
+/// rolled back.
+pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serde_json::Value)> {
+    let mut conn = pool.acquire().await.unwrap();
+    // The budget function's statements are planned on their first call in
+    // a session (about 190 buffers of catalog reads, once): a worker's
+    // claims after its first.
+    sqlx::query(&format!(
+        "SELECT * FROM almanac.claim_budgets('{kinds}', 1)"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql(&format!(
+        "PREPARE claim (text[], bigint, bigint) AS {}",
+        almanac::queue::CLAIM_SQL
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    for mode in ["force_custom_plan", "force_generic_plan"] {
+        sqlx::raw_sql(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: serde_json::Value = sqlx::query_scalar(&format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim ('{kinds}', 10, 30000)"
+        ))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        let root = &plan[0]["Plan"];
+        let buffers = root["Shared Hit Blocks"].as_i64().unwrap()
+            + root["Shared Read Blocks"].as_i64().unwrap();
+        out.push((mode.to_string(), buffers, plan));
+    }
+    out
+}
+
+/// The relations `node` (a plan node of `EXPLAIN (FORMAT JSON)`) and its
+/// children read with a sequential scan.
+pub fn seq_scans(node: &serde_json::Value, out: &mut Vec<String>) {
+    if node["Node Type"] == "Seq Scan" {
+        out.push(node["Relation Name"].as_str().unwrap_or("").to_string());
+    }
+    for child in node["Plans"].as_array().into_iter().flatten() {
+        seq_scans(child, out);
+    }
+}
