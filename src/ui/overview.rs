@@ -1,6 +1,7 @@
 //! `/`: the queue by status and kind, the oldest due job per kind, expired
 //! leases, the last hour's throughput, the scheduler's leader and the outbox
-//! per sink, and the paused kinds. The figures are [`Snapshot`]'s, the same
+//! per sink, the paused kinds and the limited ones (read-only: `almanac
+//! limits` sets them). The figures are [`Snapshot`]'s, the same
 //! as `/metrics` and `almanac stats`. With `--ui-actions`, each kind has a
 //! Pause button (with a note) and each paused kind a Resume button
 //! ([`super::act`]).
@@ -104,6 +105,27 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 }
             }
         }
+        section #limited-kinds {
+            h2 { "Limited kinds" }
+            @if snap.limits.is_empty() {
+                p .muted #no-limits { "No kind has limits (almanac limits set)." }
+            } @else {
+                div .scroll { table #limits {
+                    thead { tr { th { "kind" } th { "limits" } th .num { "running now" } th { "since" } th { "by" } } }
+                    tbody {
+                        @for l in &snap.limits {
+                            tr data-kind=(l.limited.kind) {
+                                td { span .badge .limited { "limited" } " " code { (l.limited.kind) } }
+                                td .limits { (l.limited.limits) }
+                                td .num .running { (l.running) }
+                                td { (time(l.limited.set_at)) }
+                                td .by { (l.limited.set_by) }
+                            }
+                        }
+                    }
+                } }
+            }
+        }
         section {
             h2 { "Jobs by kind" }
             @if kinds.is_empty() {
@@ -115,7 +137,8 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                         @for (kind, [ready, running, dead]) in &kinds {
                             tr data-kind=(kind) {
                                 td { a href={"/jobs?kind=" (enc(kind))} { (kind) }
-                                    @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } } }
+                                    @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } }
+                                    @if let Some(l) = snap.limits.iter().find(|l| l.limited.kind == *kind) { " " span .badge .limited title=(l.limited.limits) { "limited" } } }
                                 td .num data-status="ready" { (ready) }
                                 td .num data-status="running" { (running) }
                                 td .num data-status="dead" {

@@ -64,6 +64,7 @@ pub(super) fn router() -> Router<Ui> {
         .route("/routes", get(routes))
         .route("/stats", get(stats))
         .route("/kinds/paused", get(paused_kinds))
+        .route("/kinds/limits", get(limited_kinds))
         .route("/kinds/{kind}/pause", post(pause_kind))
         .route("/kinds/{kind}/resume", post(resume_kind))
         .route("/audit", get(audit_log))
@@ -171,6 +172,14 @@ fn body<T: DeserializeOwned + Default>(
             format!("the body is not the JSON this action takes: {e}"),
         )
     })
+}
+
+/// Every limited kind: its limits, who set them, how many run now.
+async fn limited_kinds(State(ui): State<Ui>) -> Answer {
+    let mut tx = ui.read().await?;
+    let limits = crate::stats::snapshot::limited_kinds(&mut tx).await?;
+    tx.commit().await?;
+    Ok(Json(json!({ "limits": limits })))
 }
 
 #[derive(Debug, Default, Deserialize)]
