@@ -67,6 +67,10 @@ pub(super) fn router() -> Router<Ui> {
         .route("/kinds/limits", get(limited_kinds))
         .route("/kinds/{kind}/pause", post(pause_kind))
         .route("/kinds/{kind}/resume", post(resume_kind))
+        .route(
+            "/kinds/{kind}/limits",
+            post(actions::set_limits).delete(actions::clear_limits),
+        )
         .route("/audit", get(audit_log))
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
@@ -75,7 +79,7 @@ pub(super) fn router() -> Router<Ui> {
 async fn wrong_method() -> Response {
     error(
         StatusCode::METHOD_NOT_ALLOWED,
-        "wrong method: reads are GET, actions are POST (see README.md, JSON API)",
+        "wrong method: reads are GET, actions are POST (clearing a kind's limits is DELETE; see README.md, JSON API)",
     )
 }
 
