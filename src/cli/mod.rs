@@ -13,6 +13,7 @@ mod enqueue;
 mod janitor;
 mod jobs;
 mod kinds;
+mod limits;
 mod migrate;
 mod ops;
 mod route;
@@ -65,6 +66,8 @@ enum Command {
     Jobs(jobs::Args),
     /// Pause or resume job kinds on every worker and consumer.
     Kinds(kinds::Args),
+    /// Set, clear or list a kind's concurrency and rate limits.
+    Limits(limits::Args),
     /// The audit log of operator actions, newest first.
     Audit(audit::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
@@ -188,6 +191,7 @@ pub async fn main() -> ExitCode {
         Command::Enqueue(args) => enqueue::run(&ctx, args).await,
         Command::Jobs(args) => jobs::run(&ctx, args).await,
         Command::Kinds(args) => kinds::run(&ctx, args).await,
+        Command::Limits(args) => limits::run(&ctx, args).await,
         Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,

@@ -1,7 +1,8 @@
 //! `almanac stats [--json]`: the figures `/metrics` exports from the
 //! database, for a person: jobs by kind and status, the oldest due job per
 //! kind, expired leases, the outbox per sink, who leads the scheduler, and
-//! per schedule its deadline, overdue and missing runs, lag and last success.
+//! per schedule its deadline, overdue and missing runs, lag and last success;
+//! the paused kinds, and the limited ones with how many of each run now.
 
 use super::Ctx;
 use crate::stats::Snapshot;
@@ -58,6 +59,16 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             p.note
                 .as_deref()
                 .map_or(String::new(), |note| format!(": {note}"))
+        );
+    }
+    for l in &s.limits {
+        println!(
+            "limited {:<14} {}; {} running now; set by {} at {}",
+            format!("{}:", l.limited.kind),
+            l.limited.limits,
+            l.running,
+            l.limited.set_by,
+            l.limited.set_at.format("%Y-%m-%dT%H:%M:%SZ"),
         );
     }
     for sink in &s.outbox {

@@ -35,6 +35,13 @@ pub struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLimitLabel {
+    pub kind: String,
+    /// `global`, `per_key`, `rate_per_second` or `burst`.
+    pub limit: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindStatusLabel {
     pub kind: String,
     pub status: String,
@@ -116,6 +123,10 @@ pub struct Metrics {
     pub route_unserved: Gauges<KindSinkLabel>,
     /// 1 while a kind (or `*`) is paused; from the database.
     pub kind_paused: Gauges<KindLabel>,
+    /// A limited kind's limits, one series per limit it has; from the database.
+    pub kind_limit: Gauges<KindLimitLabel>,
+    /// A limited kind's running jobs as its limits count them; from the database.
+    pub kind_limit_running: Gauges<KindLabel>,
     pub relay_notifications: Family<SinkLabel, Counter>,
     pub relay_blocked: Family<SinkLabel, Gauge>,
     pub held_by_limit: Family<KindLabel, Counter>,
@@ -324,6 +335,18 @@ impl Metrics {
             "1 while a kind is paused (almanac kinds pause; kind=\"*\" pauses every kind), else 0; from the database",
             kind_paused.clone(),
         );
+        let kind_limit = Gauges::<KindLimitLabel>::default();
+        registry.register(
+            "kind_limit",
+            "A kind's limit (almanac limits set), by limit: global and per_key (jobs running at once), rate_per_second, burst; a limit the kind does not have has no series; from the database",
+            kind_limit.clone(),
+        );
+        let kind_limit_running = Gauges::<KindLabel>::default();
+        registry.register(
+            "kind_limit_running",
+            "Running jobs (unexpired leases, as limits count them) of a kind that has limits; no series once its limits are cleared; from the database",
+            kind_limit_running.clone(),
+        );
         let relay_notifications = Family::<SinkLabel, Counter>::default();
         registry.register(
             "relay_notifications",
@@ -375,6 +398,8 @@ impl Metrics {
             consumer_other_kind,
             route_unserved,
             kind_paused,
+            kind_limit,
+            kind_limit_running,
             relay_notifications,
             relay_blocked,
             held_by_limit,

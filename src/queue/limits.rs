@@ -98,6 +98,13 @@ impl Limits {
 
     /// Refuses what `almanac.kind_limits` would, naming the value.
     pub fn validate(&self) -> Result<(), QueueError> {
+        // First: a burst alone is this mistake, not a missing limit.
+        if self.burst > 0 && self.rate.is_none() {
+            return Err(QueueError::Invalid(format!(
+                "a burst of {} without a rate: the burst is the starts allowed above a rate; give --rate too",
+                self.burst
+            )));
+        }
         if self.is_empty() {
             return Err(QueueError::Invalid(
                 "no limit given: set at least one of a global limit, a per-key limit or a rate"
@@ -123,12 +130,6 @@ impl Limits {
         if self.burst < 0 {
             return Err(QueueError::Invalid(format!(
                 "the burst is {}; it must be 0 or more",
-                self.burst
-            )));
-        }
-        if self.burst > 0 && self.rate.is_none() {
-            return Err(QueueError::Invalid(format!(
-                "a burst of {} without a rate: the burst is the starts allowed above a rate; give --rate too",
                 self.burst
             )));
         }
@@ -479,6 +480,13 @@ mod tests {
             ..Limits::default()
         };
         assert!(invalid(burst.validate().unwrap_err()).contains("without a rate"));
+        let burst_alone = Limits {
+            burst: 5,
+            ..Limits::default()
+        };
+        assert!(
+            invalid(burst_alone.validate().unwrap_err()).contains("a burst of 5 without a rate")
+        );
         let all = Limits {
             global: Some(10),
             per_key: Some("/c=1".parse().unwrap()),

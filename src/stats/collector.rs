@@ -19,8 +19,8 @@ use tokio_util::sync::CancellationToken;
 use super::snapshot::Snapshot;
 use super::snapshot::{RunFigures, SKIP_REASONS};
 use crate::metrics::{
-    KindLabel, KindSinkLabel, KindStatusLabel, Metrics, ScheduleLabel, ScheduleReasonLabel,
-    SinkLabel,
+    KindLabel, KindLimitLabel, KindSinkLabel, KindStatusLabel, Metrics, ScheduleLabel,
+    ScheduleReasonLabel, SinkLabel,
 };
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
@@ -64,6 +64,8 @@ struct Seen {
     schedules: BTreeSet<String>,
     /// Kinds once reported paused.
     paused: BTreeSet<String>,
+    /// Kinds once reported limited.
+    limited: BTreeSet<String>,
 }
 
 impl Collector {
@@ -159,6 +161,7 @@ impl Collector {
                 .get_or_create(&KindLabel { kind: kind.clone() })
                 .set(if now { 1.0 } else { 0.0 });
         }
+        self.publish_limits(&mut seen.limited, s);
         seen.sinks.extend(s.outbox.iter().map(|b| b.sink.clone()));
         for sink in &seen.sinks {
             let row = s.outbox.iter().find(|b| &b.sink == sink);
@@ -173,6 +176,65 @@ impl Collector {
                 .get_or_create(&label)
                 .set(row.map_or(0.0, |b| b.failed as f64));
         }
+    }
+
+    /// Sets each limited kind's limit and running gauges. A limit a kind
+    /// does not have (any more) has no series: a 0 would read as a limit
+    /// that lets nothing run.
+    fn publish_limits(&self, seen: &mut BTreeSet<String>, s: &Snapshot) {
+        let m = &self.metrics;
+        seen.extend(s.limits.iter().map(|l| l.limited.kind.clone()));
+        for kind in seen.iter() {
+            let now = s.limits.iter().find(|l| &l.limited.kind == kind);
+            let limits = now.map(|l| &l.limited.limits);
+            let values = [
+                ("global", limits.and_then(|l| l.global).map(f64::from)),
+                (
+                    "per_key",
+                    limits
+                        .and_then(|l| l.per_key.as_ref())
+                        .map(|p| f64::from(p.limit)),
+                ),
+                (
+                    "rate_per_second",
+                    limits
+                        .and_then(|l| l.rate)
+                        .map(|r| f64::from(r.count) / r.period.as_secs_f64()),
+                ),
+                (
+                    "burst",
+                    limits
+                        .filter(|l| l.rate.is_some())
+                        .map(|l| f64::from(l.burst)),
+                ),
+            ];
+            for (limit, value) in values {
+                let label = KindLimitLabel {
+                    kind: kind.clone(),
+                    limit: limit.to_string(),
+                };
+                match value {
+                    Some(v) => {
+                        m.kind_limit.get_or_create(&label).set(v);
+                    }
+                    None => {
+                        m.kind_limit.remove(&label);
+                    }
+                }
+            }
+            let label = KindLabel { kind: kind.clone() };
+            match now {
+                Some(l) => {
+                    m.kind_limit_running
+                        .get_or_create(&label)
+                        .set(l.running as f64);
+                }
+                None => {
+                    m.kind_limit_running.remove(&label);
+                }
+            }
+        }
+        seen.retain(|kind| s.limits.iter().any(|l| &l.limited.kind == kind));
     }
 
     /// Sets one schedule's alerting gauges from its figures (`reported`:

@@ -34,6 +34,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use serde::Serialize;
 use sqlx::PgConnection;
 
+use crate::queue::limits::{self, KindLimits};
 use crate::queue::{self, QueueError, Stats};
 use crate::relay::outbox::{self, SinkOutboxStats};
 use crate::scheduler::backfill::BackfillError;
@@ -57,6 +58,30 @@ pub struct Snapshot {
     pub unserved: Vec<Unserved>,
     /// Paused kinds (`*`: every kind), from `almanac kinds pause`.
     pub paused: Vec<crate::control::pause::Pause>,
+    /// Kinds with limits (`almanac limits set`) and how many of each run now.
+    pub limits: Vec<LimitedKind>,
+}
+
+/// A kind's limits as set, and its running jobs as the limits count them
+/// (unexpired leases; [`crate::queue::limits`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct LimitedKind {
+    #[serde(flatten)]
+    pub limited: KindLimits,
+    pub running: i64,
+}
+
+/// Every limited kind, by kind, with its running jobs.
+pub async fn limited_kinds(conn: &mut PgConnection) -> Result<Vec<LimitedKind>, sqlx::Error> {
+    let set = limits::list(&mut *conn).await?;
+    let running: HashMap<String, i64> = limits::running(&mut *conn).await?.into_iter().collect();
+    Ok(set
+        .into_iter()
+        .map(|limited| LimitedKind {
+            running: running.get(&limited.kind).copied().unwrap_or(0),
+            limited,
+        })
+        .collect())
 }
 
 /// A kind routed to a sink that no running relay serves: its jobs' outbox
@@ -161,6 +186,7 @@ impl Snapshot {
         let schedules = schedules(&mut *conn).await?;
         let unserved = unserved_routes(&mut *conn).await?;
         let paused = crate::control::pause::list(&mut *conn).await?;
+        let limits = limited_kinds(&mut *conn).await?;
         Ok(Snapshot {
             jobs,
             outbox,
@@ -168,6 +194,7 @@ impl Snapshot {
             schedules,
             unserved,
             paused,
+            limits,
         })
     }
 }

@@ -19,7 +19,8 @@ use super::{Ui, UiError, ACTIONS_OFF};
 use crate::control::{self, pause, Actor, Source};
 use crate::http::AuthUser;
 use crate::queue::browse::DeadFilter;
-use crate::queue::{Cancel, Job};
+use crate::queue::limits::{KindLimits, Limits};
+use crate::queue::{Cancel, Job, QueueError};
 use crate::scheduler::controls::{Pause as SchedulePause, Paused as SchedulePaused, Triggered};
 
 /// The basic-auth user the request was admitted as, if auth is on.
@@ -155,6 +156,46 @@ pub(super) async fn resume_kind(
         }
     })
     .await
+}
+
+/// Sets a kind's limits, replacing any it had; a refusal (a bad value, no
+/// limit, no kind) is 400 in the library's words.
+pub(super) async fn set_limits(
+    ui: &Ui,
+    actor: Actor,
+    kind: String,
+    new: Limits,
+) -> Result<KindLimits, UiError> {
+    act(ui, move |mut conn| async move {
+        new.validate().map_err(limit_refusal)?;
+        control::limits::set(&mut conn, &actor, &kind, &new)
+            .await
+            .map_err(|e| match e {
+                control::ControlError::Queue(e) => limit_refusal(e),
+                other => other.into(),
+            })
+    })
+    .await
+}
+
+/// Clears a kind's limits: what it had, `None` when it had none.
+pub(super) async fn clear_limits(
+    ui: &Ui,
+    actor: Actor,
+    kind: String,
+) -> Result<Option<KindLimits>, UiError> {
+    act(ui, move |mut conn| async move {
+        Ok(control::limits::clear(&mut conn, &actor, &kind).await?)
+    })
+    .await
+}
+
+/// A limit's refusal as its own message (no `invalid job:`: a limit is no job).
+pub(super) fn limit_refusal(err: QueueError) -> UiError {
+    match err {
+        QueueError::Invalid(message) => UiError::BadRequest(message),
+        other => other.into(),
+    }
 }
 
 /// Pauses a synced schedule.

@@ -33,7 +33,8 @@
 //! - *Foreign hosts.* Without basic auth (loopback only) a request whose
 //!   `Host` is not a loopback name is refused with 421, so a page on another
 //!   site that re-points its own name at 127.0.0.1 (DNS rebinding) cannot
-//!   read the dashboard or its CSRF token. A `POST` whose `Origin` (or
+//!   read the dashboard or its CSRF token. A `POST` (or any method but
+//!   `GET` and `HEAD`, e.g. the API's `DELETE`) whose `Origin` (or
 //!   `Sec-Fetch-Site`) says it comes from another site is refused too. With
 //!   basic auth the browser holds the credentials for the dashboard's own
 //!   origin only, so any `Host` is accepted.
@@ -109,6 +110,8 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         .route("/kinds/pause", post(overview::pause_named))
         .route("/kinds/{kind}/pause", post(overview::pause))
         .route("/kinds/{kind}/resume", post(overview::resume))
+        .route("/kinds/limits", post(overview::set_limits))
+        .route("/kinds/{kind}/limits/clear", post(overview::clear_limits))
         .route("/audit", get(audit::page))
         .route("/dead", get(dead::page))
         .route("/dead/retry", get(dead::confirm).post(dead::retry_all))
@@ -126,7 +129,7 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         .with_state(ui)
 }
 
-/// Refuses requests for a foreign host name and cross-site `POST`s (see
+/// Refuses requests for a foreign host name and cross-site actions (see
 /// "Foreign hosts" above).
 async fn same_site(
     axum::extract::State(config): axum::extract::State<UiConfig>,
@@ -146,7 +149,8 @@ async fn same_site(
         }
         return (StatusCode::MISDIRECTED_REQUEST, format!("{message}\n")).into_response();
     }
-    if request.method() == axum::http::Method::POST {
+    let method = request.method();
+    if method != axum::http::Method::GET && method != axum::http::Method::HEAD {
         let origin = headers.get(header::ORIGIN).and_then(|h| h.to_str().ok());
         let fetch_site = headers.get("sec-fetch-site").and_then(|h| h.to_str().ok());
         let foreign_origin =
@@ -231,7 +235,7 @@ impl Ui {
     }
 }
 
-const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry and cancel jobs, pause and resume kinds and pause, resume or trigger schedules from here or through /api/v1, or use `almanac jobs retry|cancel ID`, `almanac kinds pause|resume KIND` and `almanac schedules pause|resume|trigger NAME`.";
+const ACTIONS_OFF: &str = "Actions are off: this dashboard is read-only. Start `almanac run` with --ui-actions (or ALMANAC_UI_ACTIONS=true, or ui_actions = true in almanac.toml) to retry and cancel jobs, pause and resume kinds, set and clear their limits and pause, resume or trigger schedules from here or through /api/v1, or use `almanac jobs retry|cancel ID`, `almanac kinds pause|resume KIND`, `almanac limits set|clear KIND` and `almanac schedules pause|resume|trigger NAME`.";
 
 /// What a page or an action can fail with; shown as a page with its status.
 #[derive(Debug, thiserror::Error)]

@@ -1,8 +1,10 @@
 //! `/`: the queue by status and kind, the oldest due job per kind, expired
 //! leases, the last hour's throughput, the scheduler's leader and the outbox
-//! per sink, and the paused kinds. The figures are [`Snapshot`]'s, the same
-//! as `/metrics` and `almanac stats`. With `--ui-actions`, each kind has a
-//! Pause button (with a note) and each paused kind a Resume button
+//! per sink, the paused kinds and the limited ones. The figures are
+//! [`Snapshot`]'s, the same as `/metrics` and `almanac stats`. With
+//! `--ui-actions`, each kind has a Pause button (with a note), each paused
+//! kind a Resume button, each limited kind a Clear button, and a form sets a
+//! kind's limits (replacing them, as `almanac limits set` does)
 //! ([`super::act`]).
 
 use std::collections::BTreeMap;
@@ -15,9 +17,10 @@ use serde::Deserialize;
 
 use super::act::{self, Who};
 use super::view::{age, csrf, dash, enc, layout, opt_time, sink_rows, time};
-use super::{Page, Ui};
+use super::{Page, Ui, UiError};
 use crate::control::pause::{Pause, Paused};
 use crate::control::Source;
+use crate::queue::limits::Limits;
 use crate::queue::{browse, JobStatus};
 use crate::stats::Snapshot;
 
@@ -104,6 +107,39 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 }
             }
         }
+        section #limited-kinds {
+            h2 { "Limited kinds" }
+            @if snap.limits.is_empty() {
+                p .muted #no-limits { "No kind has limits (almanac limits set)." }
+            } @else {
+                div .scroll { table #limits {
+                    thead { tr { th { "kind" } th { "limits" } th .num { "running now" } th { "since" } th { "by" } @if ui.actions { th {} } } }
+                    tbody {
+                        @for l in &snap.limits {
+                            tr data-kind=(l.limited.kind) {
+                                td { span .badge .limited { "limited" } " " code { (l.limited.kind) } }
+                                td .limits { (l.limited.limits) }
+                                td .num .running { (l.running) }
+                                td { (time(l.limited.set_at)) }
+                                td .by { (l.limited.set_by) }
+                                @if ui.actions { td { (clear_limits_form(&ui, &l.limited.kind)) } }
+                            }
+                        }
+                    }
+                } }
+            }
+            @if ui.actions {
+                form .set-limits method="post" action="/kinds/limits" {
+                    (csrf(&ui.csrf))
+                    input type="text" name="kind" size="14" placeholder="kind" aria-label="kind to limit";
+                    input type="text" name="global" size="6" placeholder="global N" aria-label="global limit";
+                    input type="text" name="per_key" size="16" placeholder="/customer_id=1" aria-label="per-key limit";
+                    input type="text" name="rate" size="8" placeholder="600/1m" aria-label="rate";
+                    input type="text" name="burst" size="5" placeholder="burst" aria-label="burst";
+                    button type="submit" title="replaces every limit the kind had" { "Set limits" }
+                }
+            }
+        }
         section {
             h2 { "Jobs by kind" }
             @if kinds.is_empty() {
@@ -115,7 +151,8 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                         @for (kind, [ready, running, dead]) in &kinds {
                             tr data-kind=(kind) {
                                 td { a href={"/jobs?kind=" (enc(kind))} { (kind) }
-                                    @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } } }
+                                    @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } }
+                                    @if let Some(l) = snap.limits.iter().find(|l| l.limited.kind == *kind) { " " span .badge .limited title=(l.limited.limits) { "limited" } } }
                                 td .num data-status="ready" { (ready) }
                                 td .num data-status="running" { (running) }
                                 td .num data-status="dead" {
@@ -193,6 +230,109 @@ fn resume_form(ui: &Ui, kind: &str) -> Markup {
             button .resume type="submit" data-kind=(kind) { "Resume" }
         }
     }
+}
+
+fn clear_limits_form(ui: &Ui, kind: &str) -> Markup {
+    html! {
+        form .clear-limits method="post" action={"/kinds/" (enc(kind)) "/limits/clear"} {
+            (csrf(&ui.csrf))
+            button .clear-limits type="submit" data-kind=(kind) { "Clear limits" }
+        }
+    }
+}
+
+/// The overview's "Set limits" form: the CLI's flags, each optional (an
+/// empty field is no limit of that sort).
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct LimitsForm {
+    csrf: Option<String>,
+    kind: Option<String>,
+    global: Option<String>,
+    per_key: Option<String>,
+    rate: Option<String>,
+    burst: Option<String>,
+}
+
+/// Sets the limits the form gives, replacing the kind's.
+pub(super) async fn set_limits(
+    State(ui): State<Ui>,
+    who: Who,
+    Form(form): Form<LimitsForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    let kind = form.kind.unwrap_or_default().trim().to_string();
+    let given = |v: Option<String>| v.map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    let whole = |what: &str, v: Option<String>| -> Result<Option<i32>, UiError> {
+        given(v)
+            .map(|v| {
+                v.parse()
+                    .map_err(|_| UiError::BadRequest(format!("{what} `{v}` is not a whole number")))
+            })
+            .transpose()
+    };
+    let limits = (|| -> Result<Limits, UiError> {
+        Ok(Limits {
+            global: whole("the global limit", form.global)?,
+            per_key: given(form.per_key)
+                .map(|p| p.parse())
+                .transpose()
+                .map_err(act::limit_refusal)?,
+            rate: given(form.rate)
+                .map(|r| r.parse())
+                .transpose()
+                .map_err(act::limit_refusal)?,
+            burst: whole("the burst", form.burst)?.unwrap_or(0),
+        })
+    })();
+    let limits = match limits {
+        Ok(l) => l,
+        Err(e) => return e.into_response(),
+    };
+    match act::set_limits(&ui, who.actor(Source::Dashboard), kind.clone(), limits).await {
+        Ok(stored) => limits_done(
+            "Limits set",
+            format!(
+                "Kind {kind} is limited to: {} (this replaces every limit it had).",
+                stored.limits
+            ),
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn clear_limits(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(kind): Path<String>,
+    Form(form): Form<KindForm>,
+) -> Response {
+    if let Err(e) = ui.admit(form.csrf.as_deref()) {
+        return e.into_response();
+    }
+    match act::clear_limits(&ui, who.actor(Source::Dashboard), kind.clone()).await {
+        Ok(Some(removed)) => limits_done(
+            "Limits cleared",
+            format!(
+                "Kind {kind} has no limits now (it had: {}).",
+                removed.limits
+            ),
+        ),
+        Ok(None) => limits_done(
+            "No limits",
+            format!("Kind {kind} had no limits; nothing changed."),
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+fn limits_done(title: &str, message: String) -> Response {
+    let body = html! {
+        p .flash #flash { (message) }
+        p { a href="/" { "Back to the overview" } " · " a href="/audit" { "audit log" } }
+    };
+    Html(layout(title, "/", false, body).into_string()).into_response()
 }
 
 #[derive(Debug, Default, Deserialize)]

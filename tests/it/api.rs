@@ -1086,3 +1086,179 @@ async fn the_dashboard_pauses_resumes_and_cancels_and_logs_each(pool: PgPool) {
     );
     s.stop().await;
 }
+
+/// A kind's limits set and cleared through the API (`POST` and `DELETE
+/// /api/v1/kinds/{kind}/limits`) and the dashboard's forms, each with its
+/// audit row; bad values are 400 in the library's words with nothing
+/// written; without `--ui-actions` both are 403; a cross-site `DELETE` is
+/// refused like a cross-site `POST`.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn limits_are_set_and_cleared_through_the_api_and_the_dashboard(pool: PgPool) {
+    let off = Server::start(&pool, false, false).await;
+    let refused = off
+        .post("/api/v1/kinds/api/limits", r#"{"global": 3}"#)
+        .await
+        .error(403);
+    assert!(refused.starts_with("Actions are off"), "{refused}");
+    let refused = off
+        .send(
+            "DELETE",
+            "/api/v1/kinds/api/limits",
+            &["Content-Type: application/json"],
+            "",
+        )
+        .await;
+    assert_eq!(refused.status, 403);
+    off.stop().await;
+
+    let s = Server::start(&pool, true, false).await;
+    let set = s
+        .post(
+            "/api/v1/kinds/api/limits",
+            r#"{"global": 10, "per_key": "/customer_id=2", "rate": "600/1m", "burst": 5}"#,
+        )
+        .await
+        .json();
+    assert_eq!(set["outcome"], "set");
+    assert_eq!(set["limits"]["kind"], "api");
+    assert_eq!(set["limits"]["global"], 10);
+    assert_eq!(set["limits"]["per_key"]["pointer"], "/customer_id");
+    assert_eq!(set["limits"]["rate"]["period"], "1m");
+    assert_eq!(set["limits"]["burst"], 5);
+    assert_eq!(set["limits"]["set_by"], "anonymous (api)");
+    let listed = s.get("/api/v1/kinds/limits").await.json();
+    assert_eq!(listed["limits"][0]["global"], 10);
+
+    let stored = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT coalesce(string_agg(row_to_json(l)::text, ','), '') FROM almanac.kind_limits l",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = stored().await;
+    for (body, says) in [
+        (
+            r#"{"global": 0}"#,
+            "the global limit is 0; it must be at least 1",
+        ),
+        (
+            r#"{"per_key": "x=1"}"#,
+            "the JSON pointer `x` does not start with `/`",
+        ),
+        (
+            r#"{"rate": "600/soon"}"#,
+            "the rate `600/soon` has a period that does not parse",
+        ),
+        (
+            r#"{"global": 2, "burst": 5}"#,
+            "a burst of 5 without a rate",
+        ),
+        ("", "no limit given"),
+        (r#"{"globl": 2}"#, "unknown field `globl`"),
+    ] {
+        let error = s.post("/api/v1/kinds/api/limits", body).await.error(400);
+        assert!(error.contains(says), "{body}: {error}");
+        assert!(!error.contains("invalid job"), "{body}: {error}");
+    }
+    assert_eq!(stored().await, before, "a refused set changed the limits");
+
+    let delete = |path: &'static str, extra: &'static [&'static str]| {
+        let mut headers = vec!["Content-Type: application/json"];
+        headers.extend_from_slice(extra);
+        let s = &s;
+        async move { s.send("DELETE", path, &headers, "").await }
+    };
+    let foreign = delete("/api/v1/kinds/api/limits", &["Origin: http://evil.example"]).await;
+    assert_eq!(foreign.status, 403, "{}", foreign.body);
+    assert_eq!(stored().await, before);
+    let cleared = delete("/api/v1/kinds/api/limits", &[]).await.json();
+    assert_eq!(cleared["outcome"], "cleared");
+    assert_eq!(cleared["limits"]["global"], 10);
+    let again = delete("/api/v1/kinds/api/limits", &[]).await.json();
+    assert_eq!(again["outcome"], "had_none");
+    assert_eq!(again["limits"], Value::Null);
+
+    // The dashboard's forms, with the page's CSRF token.
+    let page = s.get("/").await.body;
+    let token = page
+        .split_once(r#"name="csrf" value=""#)
+        .unwrap()
+        .1
+        .split('"')
+        .next()
+        .unwrap()
+        .to_string();
+    let reply = s
+        .form(
+            "/kinds/limits",
+            &format!("csrf={token}&kind=mail&global=&per_key=&rate=10%2F1s&burst=2"),
+            &[],
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        reply.body.contains(
+            "Kind mail is limited to: rate 10/1s burst 2 (this replaces every limit it had)."
+        ),
+        "{}",
+        reply.body
+    );
+    let reply = s
+        .form(
+            "/kinds/limits",
+            &format!("csrf={token}&kind=mail&global=ten"),
+            &[],
+        )
+        .await;
+    assert_eq!(reply.status, 400);
+    assert!(
+        reply
+            .body
+            .contains("the global limit `ten` is not a whole number"),
+        "{}",
+        reply.body
+    );
+    let page = s.get("/").await.body;
+    assert!(
+        page.contains(r#"action="/kinds/mail/limits/clear""#),
+        "{page}"
+    );
+    let reply = s
+        .form("/kinds/mail/limits/clear", &format!("csrf={token}"), &[])
+        .await;
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply
+            .body
+            .contains("Kind mail has no limits now (it had: rate 10/1s burst 2)."),
+        "{}",
+        reply.body
+    );
+    assert_eq!(stored().await, "");
+
+    let audit: Vec<(String, String, String, String)> =
+        sqlx::query_as("SELECT actor, source, action, target FROM almanac.audit_log ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let row = |source: &str, action: &str, kind: &str| {
+        (
+            "anonymous".to_string(),
+            source.to_string(),
+            action.to_string(),
+            format!("kind {kind}"),
+        )
+    };
+    assert_eq!(
+        audit,
+        vec![
+            row("api", "limits set", "api"),
+            row("api", "limits clear", "api"),
+            row("dashboard", "limits set", "mail"),
+            row("dashboard", "limits clear", "mail"),
+        ]
+    );
+    s.stop().await;
+}

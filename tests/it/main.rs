@@ -32,6 +32,7 @@ mod exec_faults;
 mod leader;
 mod leader_faults;
 mod limits;
+mod limits_cli;
 mod migration;
 mod ops;
 mod pause;

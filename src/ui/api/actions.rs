@@ -14,6 +14,7 @@ use super::{body, error, ApiError};
 use crate::control::pause::Paused;
 use crate::control::Source;
 use crate::queue::browse::DeadFilter;
+use crate::queue::limits::Limits;
 use crate::queue::Cancel;
 use crate::scheduler::controls::{Paused as SchedulePaused, Triggered};
 use crate::ui::act::{self, job_id, Who};
@@ -223,6 +224,65 @@ pub(super) async fn trigger_schedule(
                 "recorded_by": source,
                 "job_id": job_id,
             })),
+        }
+        .into_response(),
+    )
+}
+
+/// `POST /api/v1/kinds/{kind}/limits`: the CLI's flags as JSON, each
+/// optional, in the CLI's own grammar (`"per_key": "/customer_id=2"`,
+/// `"rate": "600/1m"`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LimitsBody {
+    global: Option<i32>,
+    per_key: Option<String>,
+    rate: Option<String>,
+    burst: Option<i32>,
+}
+
+pub(super) async fn set_limits(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(kind): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Acted {
+    let LimitsBody {
+        global,
+        per_key,
+        rate,
+        burst,
+    } = body_or_refuse!(headers, bytes);
+    let limits = Limits {
+        global,
+        per_key: per_key
+            .map(|p| p.parse())
+            .transpose()
+            .map_err(act::limit_refusal)?,
+        rate: rate
+            .map(|r| r.parse())
+            .transpose()
+            .map_err(act::limit_refusal)?,
+        burst: burst.unwrap_or(0),
+    };
+    let stored = act::set_limits(&ui, who.actor(Source::Api), kind, limits).await?;
+    Ok(Json(json!({ "outcome": "set", "limits": stored })).into_response())
+}
+
+/// `DELETE /api/v1/kinds/{kind}/limits`.
+pub(super) async fn clear_limits(
+    State(ui): State<Ui>,
+    who: Who,
+    Path(kind): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Acted {
+    let Empty {} = body_or_refuse!(headers, bytes);
+    Ok(
+        match act::clear_limits(&ui, who.actor(Source::Api), kind).await? {
+            Some(removed) => Json(json!({ "outcome": "cleared", "limits": removed })),
+            None => Json(json!({ "outcome": "had_none", "limits": null })),
         }
         .into_response(),
     )

@@ -64,8 +64,13 @@ pub(super) fn router() -> Router<Ui> {
         .route("/routes", get(routes))
         .route("/stats", get(stats))
         .route("/kinds/paused", get(paused_kinds))
+        .route("/kinds/limits", get(limited_kinds))
         .route("/kinds/{kind}/pause", post(pause_kind))
         .route("/kinds/{kind}/resume", post(resume_kind))
+        .route(
+            "/kinds/{kind}/limits",
+            post(actions::set_limits).delete(actions::clear_limits),
+        )
         .route("/audit", get(audit_log))
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
@@ -74,7 +79,7 @@ pub(super) fn router() -> Router<Ui> {
 async fn wrong_method() -> Response {
     error(
         StatusCode::METHOD_NOT_ALLOWED,
-        "wrong method: reads are GET, actions are POST (see README.md, JSON API)",
+        "wrong method: reads are GET, actions are POST (clearing a kind's limits is DELETE; see README.md, JSON API)",
     )
 }
 
@@ -171,6 +176,14 @@ fn body<T: DeserializeOwned + Default>(
             format!("the body is not the JSON this action takes: {e}"),
         )
     })
+}
+
+/// Every limited kind: its limits, who set them, how many run now.
+async fn limited_kinds(State(ui): State<Ui>) -> Answer {
+    let mut tx = ui.read().await?;
+    let limits = crate::stats::snapshot::limited_kinds(&mut tx).await?;
+    tx.commit().await?;
+    Ok(Json(json!({ "limits": limits })))
 }
 
 #[derive(Debug, Default, Deserialize)]
