@@ -23,6 +23,64 @@ CREATE SCHEMA almanac;
 
 
 --
+-- Name: claim_budgets(text[], bigint); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.claim_budgets(p_kinds text[], p_limit bigint) RETURNS TABLE(kind text, budget bigint, limited boolean, key_path text[], per_key_limit integer, key_running jsonb, tokens double precision, at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_locked text[];
+BEGIN
+    SELECT array_agg(l.kind) INTO v_locked FROM (
+        SELECT l.kind FROM almanac.kind_limits l WHERE l.kind = ANY (p_kinds)
+        ORDER BY l.kind FOR UPDATE) AS l;
+    IF v_locked IS NULL THEN
+        RETURN QUERY SELECT u.kind, p_limit, false, NULL::text[], NULL::integer,
+                            NULL::jsonb, NULL::double precision, NULL::timestamptz
+                     FROM unnest(p_kinds) AS u(kind);
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH b AS (
+        SELECT u.kind, l.kind IS NOT NULL AS limited, u.kind = ANY (v_locked) AS locked,
+               l.global_limit, l.key_path,
+               l.per_key_limit,
+               CASE WHEN l.rate IS NOT NULL THEN least(
+                   greatest(l.burst, 1)::double precision,
+                   coalesce(l.tokens, greatest(l.burst, 1))
+                   + greatest(extract(epoch FROM clock_timestamp() - coalesce(l.refilled_at, clock_timestamp())), 0)
+                     * 1000.0 / l.rate_period_ms * l.rate)
+               END AS tokens,
+               CASE WHEN l.global_limit IS NOT NULL THEN (
+                   SELECT count(*) FROM almanac.jobs r
+                   WHERE r.status = 'running' AND r.kind = u.kind
+                     AND r.lease_until > clock_timestamp()) END AS running
+        FROM unnest(p_kinds) AS u(kind)
+        LEFT JOIN almanac.kind_limits l ON l.kind = u.kind
+    )
+    SELECT b.kind,
+           CASE WHEN NOT b.limited THEN p_limit
+                -- Limited since this claim took its locks: next claim.
+                WHEN NOT b.locked THEN 0
+                ELSE greatest(least(
+               p_limit,
+               coalesce(b.global_limit - b.running, p_limit),
+               coalesce(floor(b.tokens)::bigint, p_limit)), 0) END,
+           b.limited, b.key_path, b.per_key_limit,
+           CASE WHEN b.key_path IS NOT NULL THEN coalesce((
+               SELECT jsonb_object_agg(r.key, r.n) FROM (
+                   SELECT coalesce('v' || (j.payload #>> b.key_path), 'n') AS key, count(*) AS n
+                   FROM almanac.jobs j
+                   WHERE j.status = 'running' AND j.kind = b.kind
+                     AND j.lease_until > clock_timestamp()
+                   GROUP BY 1) r), '{}'::jsonb) END,
+           b.tokens, clock_timestamp()
+    FROM b;
+END $$;
+
+
+--
 -- Name: claim_outbox(text, integer, integer, bigint, uuid, bigint, timestamp with time zone, bigint); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -216,6 +274,7 @@ CREATE TABLE almanac.jobs (
     cancel_requested_at timestamp with time zone,
     cancelled_by text,
     cancel_reason text,
+    priority smallint DEFAULT 0 NOT NULL,
     CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
@@ -310,6 +369,35 @@ ALTER TABLE almanac.jobs ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+
+
+--
+-- Name: kind_limits; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.kind_limits (
+    kind text NOT NULL,
+    global_limit integer,
+    key_pointer text,
+    key_path text[],
+    per_key_limit integer,
+    rate integer,
+    rate_period_ms bigint,
+    burst integer DEFAULT 0 NOT NULL,
+    tokens double precision,
+    refilled_at timestamp with time zone,
+    set_at timestamp with time zone DEFAULT now() NOT NULL,
+    set_by text NOT NULL,
+    CONSTRAINT kind_limits_burst_check CHECK ((burst >= 0)),
+    CONSTRAINT kind_limits_check CHECK ((((key_pointer IS NULL) = (per_key_limit IS NULL)) AND ((key_pointer IS NULL) = (key_path IS NULL)))),
+    CONSTRAINT kind_limits_check1 CHECK (((rate IS NULL) = (rate_period_ms IS NULL))),
+    CONSTRAINT kind_limits_check2 CHECK (((global_limit IS NOT NULL) OR (per_key_limit IS NOT NULL) OR (rate IS NOT NULL))),
+    CONSTRAINT kind_limits_global_limit_check CHECK ((global_limit > 0)),
+    CONSTRAINT kind_limits_kind_check CHECK (((kind <> ''::text) AND (kind <> '*'::text))),
+    CONSTRAINT kind_limits_per_key_limit_check CHECK ((per_key_limit > 0)),
+    CONSTRAINT kind_limits_rate_check CHECK ((rate > 0)),
+    CONSTRAINT kind_limits_rate_period_ms_check CHECK ((rate_period_ms > 0))
 );
 
 
@@ -500,11 +588,27 @@ ALTER TABLE ONLY almanac.jobs
 
 
 --
+-- Name: jobs jobs_priority_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.jobs
+    ADD CONSTRAINT jobs_priority_check CHECK (((priority >= 0) AND (priority <= 9))) NOT VALID;
+
+
+--
 -- Name: jobs jobs_status_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
 --
 
 ALTER TABLE almanac.jobs
     ADD CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text, 'cancelled'::text]))) NOT VALID;
+
+
+--
+-- Name: kind_limits kind_limits_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.kind_limits
+    ADD CONSTRAINT kind_limits_pkey PRIMARY KEY (kind);
 
 
 --
@@ -627,6 +731,13 @@ CREATE INDEX jobs_ready_due_idx ON almanac.jobs USING btree (run_at, id) WHERE (
 --
 
 CREATE INDEX jobs_ready_kind_idx ON almanac.jobs USING btree (kind, run_at, id) WHERE (status = 'ready'::text);
+
+
+--
+-- Name: jobs_ready_priority_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ready_priority_idx ON almanac.jobs USING btree (kind, priority, run_at, id) WHERE ((status = 'ready'::text) AND (priority > 0));
 
 
 --

@@ -124,6 +124,10 @@ pub const PER_KEY_WINDOW: i64 = 1000;
 ///   whatever the estimates (the generic plan, not knowing the limit,
 ///   hash-joined a scan of the whole table).
 /// - A rate-limited kind's bucket is charged in the same statement.
+/// - The cost of priorities: while a kind has ready jobs of a priority above
+///   0, each of its walks locks up to its budget per priority present, and
+///   keeps the rows it does not pick locked until the claim commits (a
+///   concurrent claim skips them for that long).
 ///
 /// `pg_stat_activity` shows the first 1,024 bytes of a statement, and
 /// tests find a waiting claim there by its `SKIP LOCKED`: it comes first.
@@ -147,11 +151,7 @@ WITH b AS MATERIALIZED (
             SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
                    row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
             FROM (",
-    due_walk!(
-        "least(1000, greatest(100, 2 * k.budget))",
-        "",
-        "j.payload #>> k.key_path"
-    ),
+    due_walk!("1000", "", "j.payload #>> k.key_path"),
     ") AS c
         ) AS c
         WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit
@@ -709,4 +709,19 @@ pub async fn reap_expired<'e>(
         }
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The claim's literals are the constants its docs name.
+    #[test]
+    fn the_claim_uses_the_documented_step_and_window() {
+        let step = format!("interval '{} minutes'", PRIORITY_STEP.as_secs() / 60);
+        assert_eq!(CLAIM_SQL.matches(&step).count(), 2, "{CLAIM_SQL}");
+        let window = format!("LIMIT {PER_KEY_WINDOW} ");
+        assert!(CLAIM_SQL.contains(&window), "{CLAIM_SQL}");
+        assert!(CLAIM_SQL[..1024].contains("SKIP LOCKED"));
+    }
 }
