@@ -34,8 +34,9 @@ DECLARE
 BEGIN
     SELECT array_agg(l.kind) INTO v_locked FROM (
         SELECT l.kind FROM almanac.kind_limits l WHERE l.kind = ANY (p_kinds)
-        ORDER BY l.kind FOR UPDATE) AS l;
-    IF v_locked IS NULL THEN
+        ORDER BY l.kind FOR UPDATE SKIP LOCKED) AS l;
+    IF v_locked IS NULL AND NOT EXISTS (
+        SELECT 1 FROM almanac.kind_limits l WHERE l.kind = ANY (p_kinds)) THEN
         RETURN QUERY SELECT u.kind, p_limit, false, NULL::text[], NULL::integer,
                             NULL::jsonb, NULL::double precision, NULL::timestamptz
                      FROM unnest(p_kinds) AS u(kind);
@@ -43,7 +44,7 @@ BEGIN
     END IF;
     RETURN QUERY
     WITH b AS (
-        SELECT u.kind, l.kind IS NOT NULL AS limited, u.kind = ANY (v_locked) AS locked,
+        SELECT u.kind, l.kind IS NOT NULL AS limited, coalesce(u.kind = ANY (v_locked), false) AS locked,
                l.global_limit, l.key_path,
                l.per_key_limit,
                CASE WHEN l.rate IS NOT NULL THEN least(

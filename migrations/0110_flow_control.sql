@@ -48,14 +48,18 @@ CREATE TABLE almanac.kind_limits (
 -- broker consumer's claim of a limited kind).
 --
 -- **Why this holds across processes.** Claims of a limited kind are made
--- one at a time: this function locks the kind's `kind_limits` row (in kind
--- order, so two claims never deadlock) and holds it until the claim
--- commits. It counts the running jobs after taking the lock, with a
+-- one at a time: this function locks the kind's `kind_limits` row and holds
+-- it until the claim commits. A row another claim holds is skipped, not
+-- waited for: that kind gets a budget of 0 in this claim (the claim holding
+-- it is taking the kind's jobs), and the claim's other kinds are never
+-- held up. It counts the running jobs after taking the lock, with a
 -- snapshot of its own (a VOLATILE function under READ COMMITTED takes one
 -- per statement), so it sees every claim that committed before it. The
 -- claim's own statement keeps its older snapshot, but it only ever takes
--- fewer jobs than the budget (a row another claim took is skipped when it
--- is locked), never more.
+-- fewer jobs than the budget, and only jobs still claimable: every row it
+-- picks is locked and re-checked (ready, due, not on the broker route) on
+-- its latest version, so a row another claim took, or that a retry made
+-- due later, is skipped.
 --
 -- A running job holds its slot while its lease is unexpired: a process
 -- that dies gives its slots back when its leases run out, without waiting
@@ -77,8 +81,9 @@ DECLARE
 BEGIN
     SELECT array_agg(l.kind) INTO v_locked FROM (
         SELECT l.kind FROM almanac.kind_limits l WHERE l.kind = ANY (p_kinds)
-        ORDER BY l.kind FOR UPDATE) AS l;
-    IF v_locked IS NULL THEN
+        ORDER BY l.kind FOR UPDATE SKIP LOCKED) AS l;
+    IF v_locked IS NULL AND NOT EXISTS (
+        SELECT 1 FROM almanac.kind_limits l WHERE l.kind = ANY (p_kinds)) THEN
         RETURN QUERY SELECT u.kind, p_limit, false, NULL::text[], NULL::integer,
                             NULL::jsonb, NULL::double precision, NULL::timestamptz
                      FROM unnest(p_kinds) AS u(kind);
@@ -86,7 +91,7 @@ BEGIN
     END IF;
     RETURN QUERY
     WITH b AS (
-        SELECT u.kind, l.kind IS NOT NULL AS limited, u.kind = ANY (v_locked) AS locked,
+        SELECT u.kind, l.kind IS NOT NULL AS limited, coalesce(u.kind = ANY (v_locked), false) AS locked,
                l.global_limit, l.key_path,
                l.per_key_limit,
                CASE WHEN l.rate IS NOT NULL THEN least(

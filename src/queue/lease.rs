@@ -99,7 +99,9 @@ pub const PER_KEY_WINDOW: i64 = 1000;
 /// - A kind with a per-key limit is walked without locks over its first
 ///   [`PER_KEY_WINDOW`] due jobs; those whose key has a free slot (counting
 ///   the running ones and those picked before them) are then locked,
-///   skipping locked rows. Claims of a limited kind run one at a time (the
+///   skipping locked rows, and re-checked on their latest version (ready,
+///   due, not on the broker route: a job that failed and was made due later
+///   since this statement's snapshot is not taken). Claims of a limited kind run one at a time (the
 ///   budget's lock), so nothing races the unlocked walk but the writes of
 ///   other roles, which the lock step skips.
 /// - Paused kinds ([`crate::control::pause`]) are not walked: two
@@ -161,6 +163,7 @@ WITH b AS MATERIALIZED (
     SELECT y.kind, y.id, y.ord FROM keyed y
     WHERE y.id IN (SELECT j.id FROM almanac.jobs j
                    WHERE j.id IN (SELECT id FROM keyed) AND j.status = 'ready'
+                     AND j.run_at <= now() AND coalesce(j.route, '') <> 'broker'
                    FOR UPDATE SKIP LOCKED)
 ), picked AS (
     SELECT kind, id FROM (SELECT * FROM walked UNION ALL SELECT * FROM keyed_locked) AS p
@@ -312,6 +315,7 @@ async fn claim_limited_by_id(
             FROM b
             WHERE j.id = $1 AND j.kind = b.kind AND j.status = 'ready' AND j.run_at <= now()
               AND j.route IN ('dual', 'broker') AND b.limited AND b.budget > 0
+              AND j.id IN (SELECT l.id FROM almanac.jobs l WHERE l.id = $1 FOR UPDATE SKIP LOCKED)
               AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (j.kind, '*'))
               AND (b.per_key_limit IS NULL
                    OR coalesce((b.key_running ->> coalesce('v' || (j.payload #>> b.key_path), 'n'))::bigint, 0)

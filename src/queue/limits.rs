@@ -29,11 +29,20 @@
 //! ([`super::ClaimById::Limited`]). No attempt is used.
 //!
 //! **No collateral delay.** A kind's budget caps only its own walk in the
-//! claim; unlimited kinds in the same claim are walked as before, and a
-//! worker whose claim came back short because of a limit claims again as
-//! soon as one of its own jobs ends (see [`crate::worker`]). Claims of
-//! unlimited kinds take no lock. The cost of a limit: claims of the kind
-//! queue one behind another on its row for the length of a claim.
+//! claim; unlimited kinds in the same claim are walked as before. A claim
+//! never waits for a limit's lock: a limit row another claim holds gives
+//! its kind nothing in this claim, and the claim's other kinds go on. A
+//! worker with limited kinds claims again as soon as one of its own jobs
+//! ends and polls every 100 ms (a limit's slots free up in other processes
+//! too, and a rate's tokens refill with time).
+//!
+//! **On Kafka, a held message holds its partition.** A Kafka consumer
+//! handles its partition's messages in order, so a job held back by a
+//! limit holds back every message behind it on that partition, of any kind
+//! (and commits stop until it starts). Under a per-key limit, one busy key
+//! then slows its whole partition: route a kind with a per-key limit to a
+//! topic of its own, or to RabbitMQ, whose consumers pass a held message to
+//! the tail of the queue.
 //!
 //! **Limits.** A per-key kind's claim looks at its first
 //! [`super::PER_KEY_WINDOW`] due jobs; if all of them belong to keys at

@@ -59,9 +59,10 @@ pub(super) async fn run(
     // Whether one of our kinds has limits (`almanac limits`): a claim that
     // came back short may then have left due jobs behind for a limit, and
     // the worker claims again as soon as one of its own jobs ends (which
-    // frees a slot of the limit too), not only on the next poll. Read at
-    // start and on every poll.
+    // frees a slot of the limit too), and polls every [`LIMITED_POLL`].
+    // Read at start and then at most once per `poll_interval`.
     let mut limited = has_limits(&mut link, &kinds).await.unwrap_or(false);
+    let mut limits_read = Instant::now();
     while !shutdown.is_cancelled() {
         let want = if backlog { refill } else { 1 };
         if executor.free_slots() < want {
@@ -130,12 +131,23 @@ pub(super) async fn run(
         }
         let free = executor.free_slots();
         let busy = free < config.concurrency;
+        // A limit's slots also free up in other processes, and a rate's
+        // tokens refill with time: a worker with limited kinds polls more
+        // often.
+        let poll = if limited {
+            config.poll_interval.min(LIMITED_POLL)
+        } else {
+            config.poll_interval
+        };
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = wake.notified() => {}
             _ = executor.slots(free + 1), if limited && busy => {}
-            _ = sleep(config.poll_interval) => {
-                limited = has_limits(&mut link, &kinds).await.unwrap_or(limited);
+            _ = sleep(poll) => {
+                if limits_read.elapsed() >= config.poll_interval {
+                    limited = has_limits(&mut link, &kinds).await.unwrap_or(limited);
+                    limits_read = Instant::now();
+                }
             }
         }
     }
@@ -199,6 +211,9 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
         }
     }
 }
+
+/// How often a worker with limited kinds polls while it waits for work.
+const LIMITED_POLL: Duration = Duration::from_millis(100);
 
 /// How long a worker with a backlog waits for half a batch of free slots
 /// before it claims into the slots it has.

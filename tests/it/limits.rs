@@ -511,3 +511,56 @@ async fn limits_at_full_size(pool: PgPool) {
         .unwrap();
     rate_limit(second, 5000, "600/1m", Duration::from_secs(60), 600, 10).await;
 }
+
+/// A claim never waits for a limit's lock: while another transaction holds
+/// a limited kind's row, a claim of that kind and an unlimited one returns
+/// at once with the unlimited kind's jobs, and the limited kind's jobs are
+/// claimed (within the limit) once the row is free.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_claim_never_waits_for_a_limit_held_by_another_claim(pool: PgPool) {
+    set_limits(
+        &pool,
+        "limited",
+        Limits {
+            global: Some(2),
+            ..Limits::default()
+        },
+    )
+    .await;
+    enqueue(&pool, "limited", 5, "'{}'::jsonb").await;
+    enqueue(&pool, "free", 5, "'{}'::jsonb").await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM almanac.kind_limits WHERE kind = 'limited' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let kinds = ["free".to_string(), "limited".to_string()];
+    let claim = almanac::queue::Claim {
+        kinds: &kinds,
+        limit: 10,
+        lease: Duration::from_secs(30),
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '2s'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let claimed = almanac::queue::claim(&mut *conn, &claim).await.unwrap();
+    assert!(
+        claimed.iter().all(|j| j.kind == "free") && claimed.len() == 5,
+        "{claimed:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the claim waited"
+    );
+    holder.rollback().await.unwrap();
+    let claimed = almanac::queue::claim(&mut *conn, &claim).await.unwrap();
+    assert_eq!(
+        claimed.len(),
+        2,
+        "within the global limit of 2: {claimed:?}"
+    );
+    assert!(claimed.iter().all(|j| j.kind == "limited"));
+}
