@@ -550,9 +550,11 @@ CREATE TABLE almanac.schedules (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     deadline text,
+    priority smallint DEFAULT 0 NOT NULL,
     CONSTRAINT schedules_catchup_check CHECK ((catchup = ANY (ARRAY['all'::text, 'latest'::text, 'none'::text]))),
     CONSTRAINT schedules_max_attempts_check CHECK ((max_attempts > 0)),
-    CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text])))
+    CONSTRAINT schedules_overlap_check CHECK ((overlap = ANY (ARRAY['allow'::text, 'skip'::text]))),
+    CONSTRAINT schedules_priority_check CHECK (((priority >= 0) AND (priority <= 9)))
 );
 
 

@@ -37,13 +37,15 @@ pub struct Synced {
     pub enabled: bool,
     /// `2h` or `06:00`, as [`super::deadline::Deadline`] writes it.
     pub deadline: Option<String>,
+    /// Of every job it emits, 0 to 9.
+    pub priority: i16,
     /// The schedule's first sync.
     pub created_at: DateTime<Utc>,
 }
 
 const SYNCED_SQL: &str = "SELECT name, cron, timezone, kind, payload, catchup, \
     extract(epoch FROM catchup_window)::float8 AS catchup_window_seconds, start, overlap, \
-    max_attempts, enabled, deadline, created_at FROM almanac.schedules";
+    max_attempts, enabled, deadline, priority, created_at FROM almanac.schedules";
 
 /// Every synced schedule, enabled or not, by name.
 pub async fn synced(conn: &mut PgConnection) -> Result<Vec<Synced>, LedgerError> {
@@ -112,9 +114,7 @@ impl Synced {
                 _ => Overlap::Allow,
             },
             max_attempts: self.max_attempts,
-            // `almanac.schedules` has no priority column (yet): a schedule
-            // read back from the database emits at the default priority.
-            priority: 0,
+            priority: self.priority,
             enabled: self.enabled,
             deadline,
             origin: "the database".into(),
@@ -312,6 +312,7 @@ mod tests {
             max_attempts: 3,
             enabled: true,
             deadline: None,
+            priority: 0,
             created_at: Utc::now(),
         }
         .schedule()

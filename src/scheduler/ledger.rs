@@ -88,11 +88,11 @@ pub async fn sync_at(
         r#"
         INSERT INTO almanac.schedules AS s
             (name, cron, timezone, kind, payload, catchup, catchup_window, start, overlap,
-             max_attempts, enabled, deadline, definition_hash)
+             max_attempts, enabled, deadline, priority, definition_hash)
         SELECT d->>'name', d->>'cron', d->>'timezone', d->>'kind', d->'payload', d->>'catchup',
                (d->>'catchup_window')::interval, (d->>'start')::date, d->>'overlap',
                (d->>'max_attempts')::int, (d->>'enabled')::boolean, d->>'deadline',
-               md5((d - 'name')::text)
+               coalesce((d->>'priority')::smallint, 0), md5((d - 'name')::text)
         FROM unnest($1::jsonb[]) AS d
         ON CONFLICT (name) DO UPDATE SET
             cron = excluded.cron, timezone = excluded.timezone, kind = excluded.kind,
@@ -100,7 +100,7 @@ pub async fn sync_at(
             catchup_window = excluded.catchup_window, start = excluded.start,
             overlap = excluded.overlap, max_attempts = excluded.max_attempts,
             enabled = excluded.enabled, deadline = excluded.deadline,
-            definition_hash = excluded.definition_hash,
+            priority = excluded.priority, definition_hash = excluded.definition_hash,
             updated_at = now()
         WHERE s.definition_hash IS DISTINCT FROM excluded.definition_hash
         "#,

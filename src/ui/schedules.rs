@@ -76,8 +76,12 @@ fn pause_text(p: &Pause) -> String {
 }
 
 fn policy(row: &Synced) -> String {
+    let priority = match row.priority {
+        0 => String::new(),
+        p => format!(", priority {p}"),
+    };
     format!(
-        "catch-up {} (window {}), overlap {}",
+        "catch-up {} (window {}), overlap {}{priority}",
         row.catchup,
         HumanDuration(std::time::Duration::from_secs_f64(
             row.catchup_window_seconds.max(0.0)

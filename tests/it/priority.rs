@@ -528,6 +528,28 @@ async fn every_job_a_schedule_emits_carries_its_priority(pool: PgPool) {
     let cold_jobs = emitted(&pool, "cold").await;
     assert_eq!(cold_jobs.len(), 3, "{cold_jobs:?}");
     assert!(cold_jobs.iter().all(|(_, p)| *p == 0), "{cold_jobs:?}");
+
+    // The dashboard and the API trigger the schedule as synced to the
+    // database (migration 0112): its jobs carry the priority too.
+    use almanac::scheduler::history;
+    let stored = history::synced_one(&mut conn, "hot")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.priority, 7);
+    let stored = stored.schedule().unwrap();
+    let earlier = stored.next_after(first - minutes(90)).unwrap();
+    controls::trigger(&mut conn, &stored, Some(&earlier.logical_run))
+        .await
+        .unwrap();
+    let hot_jobs = emitted(&pool, "hot").await;
+    assert_eq!(hot_jobs.len(), 10, "{hot_jobs:?}");
+    assert!(hot_jobs.iter().all(|(_, p)| *p == 7), "{hot_jobs:?}");
+    let cold = history::synced_one(&mut conn, "cold")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(cold.priority, 0);
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
