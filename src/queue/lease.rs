@@ -74,6 +74,26 @@ macro_rules! due_walk {
     };
 }
 
+/// The jobs a kind with a per-key limit may start, up to its budget, from
+/// the first `$window` of its due jobs (see [`CLAIM_SQL`]).
+macro_rules! keyed_pick {
+    ($window:literal) => {
+        concat!(
+            "
+        SELECT c.id, c.ord FROM (
+            SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
+                   row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
+            FROM (",
+            due_walk!($window, "", "j.payload #>> k.key_path"),
+            ") AS c
+        ) AS c
+        WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit
+        ORDER BY c.ord, c.id LIMIT k.budget
+    "
+        )
+    };
+}
+
 /// How much waiting one step of priority is worth: a due job of priority
 /// p is claimed as if it had become due `p * PRIORITY_STEP` earlier. So a
 /// job is never passed by a job of its kind that became due more than
@@ -97,7 +117,8 @@ pub const PER_KEY_WINDOW: i64 = 1000;
 ///   but not picked are released when this one-statement transaction
 ///   commits.
 /// - A kind with a per-key limit is walked without locks over its first
-///   [`PER_KEY_WINDOW`] due jobs; those whose key has a free slot (counting
+///   `2 * budget` due jobs, and when those give fewer than its budget,
+///   over its first [`PER_KEY_WINDOW`]; those whose key has a free slot (counting
 ///   the running ones and those picked before them) are then locked,
 ///   skipping locked rows, and re-checked on their latest version (ready,
 ///   due, not on the broker route: a job that failed and was made due later
@@ -147,18 +168,18 @@ WITH b AS MATERIALIZED (
     due_walk!("k.budget", "FOR UPDATE SKIP LOCKED", "NULL::text"),
     "
     ) AS c WHERE k.per_key_limit IS NULL
+), keyed_first AS (
+    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
+    keyed_pick!("least(1000, 2 * k.budget)"),
+    ") AS c WHERE k.per_key_limit IS NOT NULL
 ), keyed AS (
-    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (
-        SELECT c.id, c.ord FROM (
-            SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
-                   row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
-            FROM (",
-    due_walk!("1000", "", "j.payload #>> k.key_path"),
-    ") AS c
-        ) AS c
-        WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit
-        ORDER BY c.ord, c.id LIMIT k.budget
-    ) AS c WHERE k.per_key_limit IS NOT NULL
+    SELECT * FROM keyed_first y WHERE NOT EXISTS (
+        SELECT 1 FROM k WHERE k.kind = y.kind AND k.budget > (SELECT count(*) FROM keyed_first z WHERE z.kind = k.kind))
+    UNION ALL
+    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
+    keyed_pick!("1000"),
+    ") AS c WHERE k.per_key_limit IS NOT NULL
+        AND k.budget > (SELECT count(*) FROM keyed_first z WHERE z.kind = k.kind)
 ), keyed_locked AS (
     SELECT y.kind, y.id, y.ord FROM keyed y
     WHERE y.id IN (SELECT j.id FROM almanac.jobs j
@@ -723,7 +744,7 @@ mod tests {
     #[test]
     fn the_claim_uses_the_documented_step_and_window() {
         let step = format!("interval '{} minutes'", PRIORITY_STEP.as_secs() / 60);
-        assert_eq!(CLAIM_SQL.matches(&step).count(), 2, "{CLAIM_SQL}");
+        assert_eq!(CLAIM_SQL.matches(&step).count(), 3, "{CLAIM_SQL}");
         let window = format!("LIMIT {PER_KEY_WINDOW} ");
         assert!(CLAIM_SQL.contains(&window), "{CLAIM_SQL}");
         assert!(CLAIM_SQL[..1024].contains("SKIP LOCKED"));

@@ -564,3 +564,52 @@ async fn a_claim_never_waits_for_a_limit_held_by_another_claim(pool: PgPool) {
     );
     assert!(claimed.iter().all(|j| j.kind == "limited"));
 }
+
+/// A small claim of a per-key kind looks past a busy key's queued jobs
+/// (up to the per-key window): one customer with 150 queued jobs and one
+/// running does not keep 20 other customers' jobs waiting.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_busy_key_s_backlog_does_not_hold_back_other_keys(pool: PgPool) {
+    set_limits(
+        &pool,
+        "sync",
+        Limits {
+            per_key: Some("/c=1".parse().unwrap()),
+            ..Limits::default()
+        },
+    )
+    .await;
+    sqlx::raw_sql(
+        "INSERT INTO almanac.jobs (kind, payload, run_at)
+             SELECT 'sync', '{\"c\": \"hot\"}', now() - interval '1 hour' + g * interval '1 ms'
+             FROM generate_series(1, 151) AS g;
+         UPDATE almanac.jobs SET status = 'running', attempts = 1, lease_token = gen_random_uuid(),
+                lease_until = now() + interval '1 hour'
+         WHERE id = (SELECT min(id) FROM almanac.jobs);
+         INSERT INTO almanac.jobs (kind, payload, run_at)
+             SELECT 'sync', jsonb_build_object('c', g), now() - interval '30 minutes'
+             FROM generate_series(1, 20) AS g;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let kinds = ["sync".to_string()];
+    let claimed = almanac::queue::claim(
+        &pool,
+        &almanac::queue::Claim {
+            kinds: &kinds,
+            limit: 10,
+            lease: Duration::from_secs(30),
+        },
+    )
+    .await
+    .unwrap();
+    let keys: std::collections::HashSet<String> =
+        claimed.iter().map(|j| j.payload["c"].to_string()).collect();
+    assert_eq!(claimed.len(), 10, "{claimed:?}");
+    assert_eq!(keys.len(), 10, "one job per key: {keys:?}");
+    assert!(
+        !keys.contains("\"hot\""),
+        "the busy key's job ran twice at once"
+    );
+}
