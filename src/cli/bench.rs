@@ -6,9 +6,9 @@
 //!   `queue::complete_many`) driven by `--connections` concurrent connections
 //!   with nothing in between, at batch 1, 10, 100 and 1000: the ceiling.
 //! - **runtime**: the worker runtime burning down `--jobs` no-op jobs with its
-//!   default settings, the same under limits that never bind (a global
-//!   limit; global, per-key and rate limits at once: what a limit costs
-//!   when it holds nothing back), and with tuned ones (`--tuned-*`).
+//!   default settings, the same under limits that never bind (each kind
+//!   of limit alone, and all three at once: what a limit costs when it
+//!   holds nothing back), and with tuned ones (`--tuned-*`).
 //! - **latency**: enqueue commit to handler start, jobs enqueued one at a time
 //!   into an idle queue, with LISTEN/NOTIFY and with polling only.
 //! - **exec**: the shell-command handler running `true`.
@@ -205,28 +205,39 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     })
 }
 
-/// Limits far above anything the burn-down reaches: a global limit, and
-/// all three kinds at once (the per-key pointer names a key every job has,
-/// a different value each).
-fn unbinding_limits() -> [(&'static str, Limits); 2] {
+/// Limits far above anything the burn-down reaches: each kind of limit
+/// alone, and all three at once (the per-key pointer names a key every job
+/// has, a different value each).
+fn unbinding_limits() -> [(&'static str, Limits); 4] {
     let global = Limits {
         global: Some(1_000_000),
         ..Limits::default()
     };
-    let all = Limits {
-        global: Some(1_000_000),
+    let per_key = Limits {
         per_key: Some(PerKey {
             pointer: "/customer".to_string(),
             limit: 1_000,
         }),
+        ..Limits::default()
+    };
+    let rate = Limits {
         rate: Some(Rate {
             count: 1_000_000_000,
             period: Duration::from_secs(1),
         }),
         burst: 1_000_000,
+        ..Limits::default()
+    };
+    let all = Limits {
+        global: global.global,
+        per_key: per_key.per_key.clone(),
+        rate: rate.rate,
+        burst: rate.burst,
     };
     [
         ("a global limit", global),
+        ("a per-key limit", per_key),
+        ("a rate limit", rate),
         ("global, per-key and rate limits", all),
     ]
 }
