@@ -147,7 +147,14 @@ struct Cluster {
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 impl Cluster {
-    async fn start(url: &str, kind: &str, queue: &str, log: &Path, lease: &str) -> Cluster {
+    async fn start(
+        url: &str,
+        sink: SinkKind,
+        kind: &str,
+        destination: &str,
+        log: &Path,
+        lease: &str,
+    ) -> Cluster {
         let turn = ONE_AT_A_TIME.lock().await;
         let worker = |n: usize| {
             let mut cmd = harness::almanac();
@@ -159,26 +166,30 @@ impl Cluster {
                 .stdout(Stdio::null());
             Some(Proc::spawn(cmd))
         };
+        let broker = match sink {
+            SinkKind::Rabbitmq => ["--amqp-url".to_string(), brokers::amqp_url()],
+            SinkKind::Kafka => ["--kafka-brokers".to_string(), brokers::kafka_brokers()],
+        };
         let mut consumer = harness::almanac();
         consumer
-            .args(["consume", "--sink", "rabbitmq", "--destination", queue])
-            .args(["--amqp-url", &brokers::amqp_url()])
+            .args([
+                "consume",
+                "--sink",
+                &sink.to_string(),
+                "--destination",
+                destination,
+            ])
+            .args(&broker)
             .arg("--handler")
             .arg(format!("{kind}={}", command(log, "c")))
-            .args([
-                "--concurrency",
-                "32",
-                "--lease",
-                lease,
-                "--shutdown-deadline",
-                "5s",
-            ])
+            .args(["--concurrency", "8", "--lease", lease])
+            .args(["--shutdown-deadline", "5s"])
             .env("DATABASE_URL", url)
             .stdout(Stdio::null());
         let mut relay = harness::almanac();
         relay
             .args(["run", "--roles", "relay,reaper", "--reaper-interval", "1s"])
-            .args(["--amqp-url", &brokers::amqp_url()])
+            .args(&broker)
             .env("DATABASE_URL", url)
             .stdout(Stdio::null());
         Cluster {
@@ -239,24 +250,24 @@ fn nanos_now() -> i64 {
         .as_nanos() as i64
 }
 
-/// Global 10 on every path at once; one worker SIGKILLed mid-run gives its
-/// slots back within one lease.
-async fn global_limit(pool: PgPool, jobs: i64) {
+/// Global 10 on every path at once (workers and a consumer of `sink`); one
+/// worker SIGKILLed mid-run gives its slots back within one lease.
+async fn global_limit(pool: PgPool, sink: SinkKind, jobs: i64) {
     let url = harness::database_url(&pool);
     let dir = scratch("limits-global");
     let log = dir.join("runs.log");
-    let queue = brokers::route_to_fresh(&pool, "api", RouteMode::Dual, SinkKind::Rabbitmq).await;
+    let destination = brokers::route_to_fresh(&pool, "api", RouteMode::Dual, sink).await;
     let global = Limits {
         global: Some(10),
         ..Limits::default()
     };
     set_limits(&pool, "api", global).await;
     let lease = Duration::from_secs(5);
-    let mut cluster = Cluster::start(&url, "api", &queue, &log, "5s").await;
+    let mut cluster = Cluster::start(&url, sink, "api", &destination, &log, "5s").await;
     let ids = enqueue(&pool, "api", jobs, "'{}'::jsonb").await;
 
     // Mid-run, once a third is done, SIGKILL a worker the moment the log
-    // shows it running two jobs or more.
+    // shows it running a job.
     eventually(
         "a third of the jobs done",
         Duration::from_secs(120),
@@ -355,7 +366,7 @@ async fn global_limit(pool: PgPool, jobs: i64) {
         .find(|&t| running_at(t) == 10);
     let last_start = survivors.iter().map(|r| r.start).max().unwrap();
     eprintln!(
-        "global 10: {jobs} jobs; the killed worker ran {held}; the others ran at most {while_held} at once while its leases held, and 10 again {:?} after the kill (the last job started {:?} after it)",
+        "global 10 ({sink}): {jobs} jobs; the killed worker ran {held}; the others ran at most {while_held} at once while its leases held, and 10 again {:?} after the kill (the last job started {:?} after it)",
         back.map(|t| Duration::from_nanos((t - killed_at) as u64)),
         Duration::from_nanos((last_start - killed_at) as u64)
     );
@@ -371,7 +382,14 @@ async fn global_limit(pool: PgPool, jobs: i64) {
 async fn a_global_limit_holds_across_workers_and_a_consumer_and_a_killed_worker_gives_its_slots_back(
     pool: PgPool,
 ) {
-    global_limit(pool, 800).await;
+    global_limit(pool, SinkKind::Rabbitmq, 800).await;
+}
+
+/// The same with the consumer on Kafka (one message at a time per
+/// partition: a held message holds its partition).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_global_limit_holds_with_a_kafka_consumer_too(pool: PgPool) {
+    global_limit(pool, SinkKind::Kafka, 800).await;
 }
 
 /// Per-key 1 over 50 keys (and a bucket of jobs without the key).
@@ -385,7 +403,7 @@ async fn per_key_limit(pool: PgPool, jobs: i64) {
         ..Limits::default()
     };
     set_limits(&pool, "sync", per_key).await;
-    let cluster = Cluster::start(&url, "sync", &queue, &log, "30s").await;
+    let cluster = Cluster::start(&url, SinkKind::Rabbitmq, "sync", &queue, &log, "30s").await;
     let mut ids = enqueue(
         &pool,
         "sync",
@@ -451,7 +469,7 @@ async fn rate_limit(
         ..Limits::default()
     };
     set_limits(&pool, "mail", limits).await;
-    let cluster = Cluster::start(&url, "mail", &queue, &log, "30s").await;
+    let cluster = Cluster::start(&url, SinkKind::Rabbitmq, "mail", &queue, &log, "30s").await;
     let started = Instant::now();
     let ids = enqueue(&pool, "mail", jobs, "'{}'::jsonb").await;
     all_done(
@@ -499,7 +517,7 @@ async fn a_rate_limit_never_starts_more_than_rate_plus_burst_in_any_window(pool:
 #[ignore = "full size: about 20 minutes; run with --ignored"]
 async fn limits_at_full_size(pool: PgPool) {
     let second = harness::another_pool(&pool, 4).await;
-    global_limit(pool, 5000).await;
+    global_limit(pool, SinkKind::Rabbitmq, 5000).await;
     sqlx::query("DELETE FROM almanac.jobs")
         .execute(&second)
         .await
