@@ -74,6 +74,15 @@ macro_rules! due_walk {
     };
 }
 
+/// What every claim writes on a job it takes (`$3`: the lease in
+/// milliseconds): running, one more attempt, a fresh lease token.
+macro_rules! claim_set {
+    () => {
+        "SET status = 'running', attempts = attempts + 1, lease_token = gen_random_uuid(),
+        lease_until = clock_timestamp() + $3 * interval '1 millisecond'"
+    };
+}
+
 /// The jobs a kind with a per-key limit may start, up to its budget, from
 /// the first `$window` of its due jobs (see [`CLAIM_SQL`]).
 macro_rules! keyed_pick {
@@ -190,11 +199,9 @@ WITH b AS MATERIALIZED (
     SELECT kind, id FROM (SELECT * FROM walked UNION ALL SELECT * FROM keyed_locked) AS p
     ORDER BY ord, id LIMIT $2
 ), claimed AS (
-    UPDATE almanac.jobs AS j
-    SET status = 'running',
-        attempts = j.attempts + 1,
-        lease_token = gen_random_uuid(),
-        lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+    UPDATE almanac.jobs AS j ",
+    claim_set!(),
+    "
     WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
     RETURNING j.*
 ), charged AS (
@@ -264,20 +271,17 @@ pub async fn claim_by_id(
     kinds: &[String],
     lease: Duration,
 ) -> Result<ClaimById, QueueError> {
-    let claimed = sqlx::query_as::<_, Job>(
+    let claimed = sqlx::query_as::<_, Job>(concat!(
+        "UPDATE almanac.jobs ",
+        claim_set!(),
         r#"
-        UPDATE almanac.jobs
-        SET status = 'running',
-            attempts = attempts + 1,
-            lease_token = gen_random_uuid(),
-            lease_until = clock_timestamp() + $3 * interval '1 millisecond'
         WHERE id = $1 AND status = 'ready' AND run_at <= now() AND kind = ANY($2)
           AND route IN ('dual', 'broker')
           AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses p WHERE p.kind IN (almanac.jobs.kind, '*'))
           AND NOT EXISTS (SELECT 1 FROM almanac.kind_limits l WHERE l.kind = almanac.jobs.kind)
         RETURNING *
-        "#,
-    )
+        "#
+    ))
     .bind(id)
     .bind(kinds)
     .bind(millis(lease))
@@ -323,16 +327,14 @@ async fn claim_limited_by_id(
     kind: &str,
     lease: Duration,
 ) -> Result<Option<Job>, QueueError> {
-    let job = sqlx::query_as::<_, Job>(
+    let job = sqlx::query_as::<_, Job>(concat!(
         r#"
         WITH b AS MATERIALIZED (
             SELECT * FROM almanac.claim_budgets(ARRAY[$2::text], 1)
         ), claimed AS (
-            UPDATE almanac.jobs AS j
-            SET status = 'running',
-                attempts = j.attempts + 1,
-                lease_token = gen_random_uuid(),
-                lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+            UPDATE almanac.jobs AS j "#,
+        claim_set!(),
+        r#"
             FROM b
             WHERE j.id = $1 AND j.kind = b.kind AND j.status = 'ready' AND j.run_at <= now()
               AND j.route IN ('dual', 'broker') AND b.limited AND b.budget > 0
@@ -348,8 +350,8 @@ async fn claim_limited_by_id(
             WHERE l.kind = b.kind AND b.tokens IS NOT NULL AND EXISTS (SELECT 1 FROM claimed)
         )
         SELECT * FROM claimed
-        "#,
-    )
+        "#
+    ))
     .bind(id)
     .bind(kind)
     .bind(millis(lease))

@@ -328,11 +328,7 @@ pub(super) async fn clear_limits(
 }
 
 fn limits_done(title: &str, message: String) -> Response {
-    let body = html! {
-        p .flash #flash { (message) }
-        p { a href="/" { "Back to the overview" } " · " a href="/audit" { "audit log" } }
-    };
-    Html(layout(title, "/", false, body).into_string()).into_response()
+    answer(title, message, html! {})
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -343,12 +339,20 @@ pub(super) struct KindForm {
     note: Option<String>,
 }
 
-/// The page a kind's action answers with.
+/// The page a pause or resume answers with.
 fn done(title: &str, message: String, pause: &Pause) -> Response {
-    let body = html! {
-        p .flash #flash { (message) }
+    let detail = html! {
         p .muted { "paused " (opt_time(Some(pause.paused_at))) " by " (pause.paused_by)
             @if let Some(note) = &pause.note { ": " (note) } }
+    };
+    answer(title, message, detail)
+}
+
+/// The page a kind's action answers with: what it did, `detail`, the way back.
+fn answer(title: &str, message: String, detail: maud::Markup) -> Response {
+    let body = html! {
+        p .flash #flash { (message) }
+        (detail)
         p { a href="/" { "Back to the overview" } " · " a href="/audit" { "audit log" } }
     };
     Html(layout(title, "/", false, body).into_string()).into_response()
