@@ -53,7 +53,7 @@ BEGIN
                    + greatest(extract(epoch FROM clock_timestamp() - coalesce(l.refilled_at, clock_timestamp())), 0)
                      * 1000.0 / l.rate_period_ms * l.rate)
                END AS tokens,
-               CASE WHEN l.global_limit IS NOT NULL THEN (
+               CASE WHEN l.global_limit IS NOT NULL OR l.per_key_limit IS NOT NULL THEN (
                    SELECT count(*) FROM almanac.jobs r
                    WHERE r.status = 'running' AND r.kind = u.kind
                      AND r.lease_until > clock_timestamp()) END AS running
@@ -69,7 +69,7 @@ BEGIN
                coalesce(b.global_limit - b.running, p_limit),
                coalesce(floor(b.tokens)::bigint, p_limit)), 0) END,
            b.limited, b.key_path, b.per_key_limit,
-           CASE WHEN b.key_path IS NOT NULL THEN coalesce((
+           CASE WHEN b.key_path IS NOT NULL AND b.running + p_limit > b.per_key_limit THEN coalesce((
                SELECT jsonb_object_agg(r.key, r.n) FROM (
                    SELECT coalesce('v' || (j.payload #>> b.key_path), 'n') AS key, count(*) AS n
                    FROM almanac.jobs j

@@ -83,21 +83,21 @@ macro_rules! claim_set {
     };
 }
 
-/// The jobs a kind with a per-key limit may start, up to its budget, from
-/// the first `$window` of its due jobs (see [`CLAIM_SQL`]).
-macro_rules! keyed_pick {
-    ($window:literal) => {
+/// A kind's first `$window` due jobs (see [`due_walk`]) with the per-key
+/// verdict on each (`ok`): whether its key has a free slot, counting the
+/// running jobs of the key (`k.key_running`) and the jobs of the key
+/// before it in the window (see [`CLAIM_SQL`]).
+macro_rules! keyed_walk {
+    ($window:literal, $lock:literal) => {
         concat!(
             "
-        SELECT c.id, c.ord FROM (
-            SELECT c.id, c.ord, coalesce('v' || c.key, 'n') AS key,
-                   row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id) AS rn
-            FROM (",
-            due_walk!($window, "", "j.payload #>> k.key_path"),
+        SELECT c.id, c.ord,
+               row_number() OVER (PARTITION BY c.key ORDER BY c.ord, c.id)
+               + coalesce((k.key_running ->> coalesce('v' || c.key, 'n'))::bigint, 0)
+               <= k.per_key_limit AS ok
+        FROM (",
+            due_walk!($window, $lock, "j.payload #>> k.key_path"),
             ") AS c
-        ) AS c
-        WHERE c.rn + coalesce((k.key_running ->> c.key)::bigint, 0) <= k.per_key_limit
-        ORDER BY c.ord, c.id LIMIT k.budget
     "
         )
     };
@@ -125,15 +125,19 @@ pub const PER_KEY_WINDOW: i64 = 1000;
 ///   = ANY($1)` would sort every ready row of those kinds.) Rows locked
 ///   but not picked are released when this one-statement transaction
 ///   commits.
-/// - A kind with a per-key limit is walked without locks over its first
-///   `2 * budget` due jobs, and when those give fewer than its budget,
-///   over its first [`PER_KEY_WINDOW`]; those whose key has a free slot (counting
-///   the running ones and those picked before them) are then locked,
-///   skipping locked rows, and re-checked on their latest version (ready,
-///   due, not on the broker route: a job that failed and was made due later
-///   since this statement's snapshot is not taken). Claims of a limited kind run one at a time (the
-///   budget's lock), so nothing races the unlocked walk but the writes of
-///   other roles, which the lock step skips.
+/// - A kind with a per-key limit that no key can reach in this claim (its
+///   running jobs plus `$2` within the per-key limit: `key_running` is
+///   NULL) is walked as if it had none. Otherwise its walk over its budget
+///   of due jobs locks them as above and keeps those whose key has a free
+///   slot (counting the key's running jobs and its jobs before them in the
+///   walk). When that drops any, the kind is walked again, without locks,
+///   over its first [`PER_KEY_WINDOW`] due jobs; the ones picked from that
+///   are then locked, skipping locked rows, and re-checked on their latest
+///   version (ready, due, not on the broker route: a job that failed and
+///   was made due later since this statement's snapshot is not taken).
+///   Claims of a limited kind run one at a time (the budget's lock), so
+///   nothing races the unlocked walk but the writes of other roles, which
+///   the lock step skips.
 /// - Paused kinds ([`crate::control::pause`]) are not walked: two
 ///   primary-key probes of `almanac.kind_pauses` per kind.
 /// - Kinds routed to the broker are not walked. A job still on the broker
@@ -176,27 +180,29 @@ WITH b AS MATERIALIZED (
     SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
     due_walk!("k.budget", "FOR UPDATE SKIP LOCKED", "NULL::text"),
     "
-    ) AS c WHERE k.per_key_limit IS NULL
+    ) AS c WHERE k.key_running IS NULL
 ), keyed_first AS (
-    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
-    keyed_pick!("least(1000, 2 * k.budget)"),
-    ") AS c WHERE k.per_key_limit IS NOT NULL
+    SELECT k.kind, c.id, c.ord, c.ok FROM k CROSS JOIN LATERAL (",
+    keyed_walk!("k.budget", "FOR UPDATE SKIP LOCKED"),
+    ") AS c WHERE k.key_running IS NOT NULL
+), short AS (
+    SELECT DISTINCT y.kind FROM keyed_first y WHERE NOT y.ok
+), keyed_more AS (
+    SELECT k.kind, c.id, c.ord FROM k JOIN short USING (kind) CROSS JOIN LATERAL (
+        SELECT c.id, c.ord FROM (",
+    keyed_walk!("1000", ""),
+    ") AS c WHERE c.ok ORDER BY c.ord, c.id LIMIT k.budget
+    ) AS c
 ), keyed AS (
-    SELECT * FROM keyed_first y WHERE NOT EXISTS (
-        SELECT 1 FROM k WHERE k.kind = y.kind AND k.budget > (SELECT count(*) FROM keyed_first z WHERE z.kind = k.kind))
+    SELECT y.kind, y.id, y.ord FROM keyed_first y WHERE y.ok AND y.kind NOT IN (SELECT kind FROM short)
     UNION ALL
-    SELECT k.kind, c.id, c.ord FROM k CROSS JOIN LATERAL (",
-    keyed_pick!("1000"),
-    ") AS c WHERE k.per_key_limit IS NOT NULL
-        AND k.budget > (SELECT count(*) FROM keyed_first z WHERE z.kind = k.kind)
-), keyed_locked AS (
-    SELECT y.kind, y.id, y.ord FROM keyed y
+    SELECT y.kind, y.id, y.ord FROM keyed_more y
     WHERE y.id IN (SELECT j.id FROM almanac.jobs j
-                   WHERE j.id IN (SELECT id FROM keyed) AND j.status = 'ready'
+                   WHERE j.id IN (SELECT id FROM keyed_more) AND j.status = 'ready'
                      AND j.run_at <= now() AND coalesce(j.route, '') <> 'broker'
                    FOR UPDATE SKIP LOCKED)
 ), picked AS (
-    SELECT kind, id FROM (SELECT * FROM walked UNION ALL SELECT * FROM keyed_locked) AS p
+    SELECT kind, id FROM (SELECT * FROM walked UNION ALL SELECT * FROM keyed) AS p
     ORDER BY ord, id LIMIT $2
 ), claimed AS (
     UPDATE almanac.jobs AS j ",

@@ -642,3 +642,70 @@ async fn a_busy_key_s_backlog_does_not_hold_back_other_keys(pool: PgPool) {
         "the busy key's job ran twice at once"
     );
 }
+
+/// A per-key limit holds at its edge: a claim skips counting keys only
+/// when no key can reach its limit (the kind's running jobs plus the
+/// claim's size within it), and otherwise never starts a job whose key is
+/// at its limit. Per-key 3, two of key `a` running, `a`'s jobs due first.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_per_key_limit_holds_at_its_edge(pool: PgPool) {
+    set_limits(
+        &pool,
+        "sync",
+        Limits {
+            per_key: Some("/c=3".parse().unwrap()),
+            ..Limits::default()
+        },
+    )
+    .await;
+    sqlx::raw_sql(
+        "INSERT INTO almanac.jobs (kind, payload, run_at)
+             SELECT 'sync', '{\"c\": \"a\"}', now() - interval '1 hour' + g * interval '1 ms'
+             FROM generate_series(1, 7) AS g;
+         UPDATE almanac.jobs SET status = 'running', attempts = 1, lease_token = gen_random_uuid(),
+                lease_until = now() + interval '1 hour'
+         WHERE id IN (SELECT id FROM almanac.jobs ORDER BY id LIMIT 2);
+         INSERT INTO almanac.jobs (kind, payload, run_at)
+             SELECT 'sync', '{\"c\": \"b\"}', now() - interval '30 minutes' + g * interval '1 ms'
+             FROM generate_series(1, 5) AS g;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let kinds = ["sync".to_string()];
+    let claim = |limit| {
+        let pool = pool.clone();
+        let kinds = kinds.clone();
+        async move {
+            let claimed = almanac::queue::claim(
+                &pool,
+                &almanac::queue::Claim {
+                    kinds: &kinds,
+                    limit,
+                    lease: Duration::from_secs(60),
+                },
+            )
+            .await
+            .unwrap();
+            claimed
+                .iter()
+                .map(|j| j.payload["c"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        }
+    };
+    // 2 running + 1 = 3: no key can pass 3, the earliest due is taken.
+    assert_eq!(claim(1).await, ["a"]);
+    // 3 running + 1 > 3: `a` is at its limit, `b` is next.
+    assert_eq!(claim(1).await, ["b"]);
+    // `a` full, `b` has 2 slots left.
+    assert_eq!(claim(10).await, ["b", "b"]);
+    assert!(claim(10).await.is_empty());
+    let running: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT payload ->> 'c', count(*) FROM almanac.jobs WHERE status = 'running'
+         GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(running, [("a".to_string(), 3), ("b".to_string(), 3)]);
+}

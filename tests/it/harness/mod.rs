@@ -219,6 +219,11 @@ pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serd
             + root["Shared Read Blocks"].as_i64().unwrap();
         out.push((mode.to_string(), buffers, plan));
     }
+    // The connection goes back to the pool: the next call prepares again.
+    sqlx::raw_sql("DEALLOCATE claim")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
     out
 }
 
