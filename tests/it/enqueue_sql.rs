@@ -703,3 +703,54 @@ async fn the_rust_api_refuses_with_the_functions_message_before_sending(pool: Pg
     tx.commit().await.unwrap();
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 1);
 }
+
+/// A key whose holder is deleted between the insert that conflicted on it
+/// and the read of its id (retention, an operator) is a serialization
+/// failure, to retry; the Rust API reports the function's words. A
+/// statement trigger stands in for the deleter: it runs after the insert,
+/// before the read.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_key_whose_holder_vanishes_under_the_call_is_refused_as_a_retry(pool: PgPool) {
+    let message =
+        "idempotency key `doomed` conflicted but its job is not visible to this transaction; retry";
+    sqlx::raw_sql(
+        "CREATE FUNCTION vanish() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN DELETE FROM almanac.jobs WHERE idempotency_key = 'doomed'; RETURN NULL; END $$;
+         CREATE TRIGGER vanish AFTER INSERT ON almanac.jobs
+             FOR EACH STATEMENT EXECUTE FUNCTION vanish();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The holder, inserted with the trigger off. (A failed call's delete
+    // rolls back with it: the holder stays for the next call.)
+    sqlx::raw_sql(
+        "ALTER TABLE almanac.jobs DISABLE TRIGGER vanish;
+         INSERT INTO almanac.jobs (kind, idempotency_key) VALUES ('mail', 'doomed');
+         ALTER TABLE almanac.jobs ENABLE TRIGGER vanish;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for call in [
+        "almanac.enqueue('mail', idempotency_key => 'doomed')",
+        "almanac.enqueue_many(ARRAY['mail', 'mail'], idempotency_keys => ARRAY['kept', 'doomed'])",
+    ] {
+        let (code, got) = refused(&pool, &format!("SELECT * FROM {call}")).await;
+        assert_eq!((code.as_str(), got.as_str()), ("40001", message), "{call}");
+        assert_eq!(
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.jobs WHERE idempotency_key = 'kept'"
+            )
+            .await,
+            0,
+            "{call}: nothing of the call stays"
+        );
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    let err = queue::enqueue(&mut conn, &NewJob::new("mail").idempotency_key("doomed"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), format!("invalid job: {message}"));
+}
