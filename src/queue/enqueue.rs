@@ -173,14 +173,23 @@ pub async fn enqueue_many(
             other => other,
         })?;
     }
+    // An array whose every element would be the default goes as NULL
+    // (the function's "all defaults"): less to encode, send and read.
+    fn column<'a, T>(
+        jobs: &'a [NewJob],
+        field: impl Fn(&'a NewJob) -> Option<T>,
+    ) -> Option<Vec<Option<T>>> {
+        let values: Vec<Option<T>> = jobs.iter().map(field).collect();
+        values.iter().any(Option::is_some).then_some(values)
+    }
     let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
     let payloads: Vec<&Value> = jobs.iter().map(|j| &j.payload).collect();
-    let run_ats: Vec<Option<DateTime<Utc>>> = jobs.iter().map(|j| j.run_at).collect();
-    let max_attempts: Vec<Option<i32>> = jobs.iter().map(|j| j.max_attempts).collect();
-    let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
-    let schedules: Vec<Option<&str>> = jobs.iter().map(|j| j.schedule.as_deref()).collect();
-    let runs: Vec<Option<&str>> = jobs.iter().map(|j| j.logical_run.as_deref()).collect();
-    let priorities: Vec<i32> = jobs.iter().map(|j| i32::from(j.priority)).collect();
+    let run_ats = column(jobs, |j| j.run_at);
+    let max_attempts = column(jobs, |j| j.max_attempts);
+    let keys = column(jobs, |j| j.idempotency_key.as_deref());
+    let priorities = column(jobs, |j| (j.priority != 0).then_some(i32::from(j.priority)));
+    let schedules = column(jobs, |j| j.schedule.as_deref());
+    let runs = column(jobs, |j| j.logical_run.as_deref());
 
     let rows: Vec<(i64, i64, bool)> = sqlx::query_as(ENQUEUE_MANY_SQL)
         .bind(&kinds)
