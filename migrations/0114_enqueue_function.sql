@@ -142,9 +142,10 @@ BEGIN
     END IF;
 
     IF n = 1 THEN
-        -- One job (every almanac.enqueue call): the same insert, of one row
-        -- of values, which costs a third of the statement below. Elements
-        -- are taken by position, whatever an array's lower bound.
+        -- One job (every almanac.enqueue call): the same insert as below,
+        -- of one row of values, which is cheaper than unnest and its
+        -- aggregates. Elements are taken by position, whatever an array's
+        -- lower bound.
         INSERT INTO almanac.jobs AS j
             (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
         VALUES (enqueue_many.kinds[array_lower(enqueue_many.kinds, 1)],
