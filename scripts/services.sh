@@ -70,3 +70,21 @@ if ! command -v promtool >/dev/null 2>&1; then
     apt-get install -y --no-install-recommends prometheus
   fi
 fi
+
+# The enqueue examples' clients (examples/python, examples/node), which
+# tests/it/enqueue_sql.rs runs: a Python venv with psycopg in target/py, and
+# node-postgres in examples/node/node_modules, each (re)installed when its
+# pinned list changed since the last install.
+root=$(cd "$(dirname "$0")/.." && pwd)
+if ! cmp -s "$root/examples/python/requirements.txt" "$root/target/py/.installed" 2>/dev/null; then
+  echo "services: installing psycopg into target/py (examples/python)" >&2
+  rm -rf "$root/target/py"
+  python3 -m venv "$root/target/py"
+  "$root/target/py/bin/pip" install --quiet -r "$root/examples/python/requirements.txt"
+  cp "$root/examples/python/requirements.txt" "$root/target/py/.installed"
+fi
+if ! cmp -s "$root/examples/node/package-lock.json" "$root/examples/node/node_modules/.installed" 2>/dev/null; then
+  echo "services: npm ci in examples/node" >&2
+  (cd "$root/examples/node" && npm ci --no-audit --no-fund --loglevel=error)
+  cp "$root/examples/node/package-lock.json" "$root/examples/node/node_modules/.installed"
+fi

@@ -14,6 +14,9 @@
 //! - **exec**: the shell-command handler running `true`.
 //! - **cost**: WAL bytes per job (enqueue, claim, complete) and dead tuples
 //!   left in the jobs table after the burn-down.
+//! - **enqueue**: the SQL function beside the Rust API and the hand-written
+//!   INSERT it replaces, one job and 1,000 jobs per transaction
+//!   ([`enqueue`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +36,8 @@ use crate::queue::{self, Claim};
 use crate::role::{Role, Settings};
 use crate::worker::exec::ExecHandler;
 use crate::worker::{JobContext, Worker, WorkerConfig};
+
+mod enqueue;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -57,6 +62,8 @@ pub struct Args {
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    enqueue: enqueue::EnqueueArgs,
 }
 
 #[derive(Debug, Serialize)]
@@ -86,6 +93,7 @@ struct Report {
     exec_jobs_per_s: f64,
     wal_bytes_per_job: f64,
     dead_tuples: i64,
+    enqueue: enqueue::Report,
 }
 
 const KIND: &str = "bench";
@@ -177,6 +185,8 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     fill(pool, args.exec_jobs).await?;
     let exec = burn_exec(pool).await?;
 
+    let enqueue = enqueue::measure(pool, args.connections, &args.enqueue).await?;
+
     Ok(Report {
         jobs: args.jobs,
         connections: args.connections,
@@ -192,6 +202,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
         exec_jobs_per_s: exec,
         wal_bytes_per_job: (wal_after - wal_before) as f64 / args.jobs as f64,
         dead_tuples,
+        enqueue,
     })
 }
 
@@ -578,4 +589,5 @@ fn print_table(r: &Report) {
         "dead tuples in almanac.jobs after the default burn-down: {}",
         r.dead_tuples
     );
+    enqueue::print_table(&r.enqueue);
 }

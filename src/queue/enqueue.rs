@@ -1,15 +1,24 @@
-//! Enqueueing: inside the caller's transaction, idempotent by key.
+//! Enqueueing: the Rust face of `almanac.enqueue_many`, the SQL function
+//! that is the one implementation of enqueue (every language calls it;
+//! migrations/0114_enqueue_function.sql, docs/enqueue.md).
+//!
+//! What an enqueue guarantees: it runs in the caller's transaction, so the
+//! job commits or rolls back with the caller's own rows; a job with an
+//! idempotency key that is taken inserts nothing and reports the job that
+//! holds it; the kind's route applies and a `dual` or `broker` job gets its
+//! outbox row in the same transaction; workers are notified on
+//! [`NOTIFY_CHANNEL`] when it commits, never before. An invalid job inserts
+//! nothing, and neither does the rest of its batch.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use std::collections::{HashMap, HashSet};
-
 use sqlx::PgConnection;
 
 use super::QueueError;
 
 /// Workers `LISTEN` here; enqueue and retry `NOTIFY` with the job's kind, so the
 /// notification is delivered exactly when the row becomes visible (on commit).
+/// (`almanac.enqueue_many` names the channel itself.)
 pub const NOTIFY_CHANNEL: &str = "almanac_jobs";
 
 /// A job to insert. Only `kind` is required.
@@ -76,7 +85,14 @@ impl NewJob {
 
     fn validate(&self) -> Result<(), QueueError> {
         if self.kind.trim().is_empty() {
-            return Err(QueueError::Invalid("the job kind is empty".into()));
+            let kind = if self.kind.is_empty() {
+                "empty".to_string()
+            } else {
+                format!("'{}' (white space only)", self.kind)
+            };
+            return Err(QueueError::Invalid(format!(
+                "the job kind is {kind}; give the kind its handlers are registered under"
+            )));
         }
         if let Some(n) = self.max_attempts {
             if n < 1 {
@@ -130,9 +146,18 @@ pub async fn enqueue(conn: &mut PgConnection, job: &NewJob) -> Result<Enqueued, 
     Ok(ids.remove(0))
 }
 
-/// Inserts a batch in one statement; the result is in input order. Jobs whose
-/// key is already taken (by an existing row or earlier in the batch) come
-/// back as [`Enqueued::Existing`].
+/// Inserts a batch with one call of `almanac.enqueue_many` (one round
+/// trip), the one implementation of enqueue that every language calls
+/// (migrations/0114_enqueue_function.sql, docs/enqueue.md): the result is in
+/// input order, and jobs whose key is already taken (by an existing row or
+/// earlier in the batch) come back as [`Enqueued::Existing`].
+///
+/// The jobs are checked here first ([`NewJob`]'s rules, the function's own),
+/// so that an invalid job is refused before anything is sent and the
+/// caller's transaction stays usable; the function checks again and is the
+/// authority: its refusal (SQLSTATE 22023) comes back as
+/// [`QueueError::Invalid`] with its message, and aborts the transaction, as
+/// any error from the database does.
 pub async fn enqueue_many(
     conn: &mut PgConnection,
     jobs: &[NewJob],
@@ -140,103 +165,107 @@ pub async fn enqueue_many(
     if jobs.is_empty() {
         return Ok(Vec::new());
     }
-    for job in jobs {
-        job.validate()?;
+    for (i, job) in jobs.iter().enumerate() {
+        job.validate().map_err(|err| match err {
+            QueueError::Invalid(why) if jobs.len() > 1 => {
+                QueueError::Invalid(format!("{why} (job {} of {})", i + 1, jobs.len()))
+            }
+            other => other,
+        })?;
+    }
+    // An array whose every element would be the default goes as NULL
+    // (the function's "all defaults"): less to encode, send and read.
+    fn column<'a, T>(
+        jobs: &'a [NewJob],
+        field: impl Fn(&'a NewJob) -> Option<T>,
+    ) -> Option<Vec<Option<T>>> {
+        let values: Vec<Option<T>> = jobs.iter().map(field).collect();
+        values.iter().any(Option::is_some).then_some(values)
     }
     let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
     let payloads: Vec<&Value> = jobs.iter().map(|j| &j.payload).collect();
-    let run_ats: Vec<Option<DateTime<Utc>>> = jobs.iter().map(|j| j.run_at).collect();
-    let max_attempts: Vec<Option<i32>> = jobs.iter().map(|j| j.max_attempts).collect();
-    let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.idempotency_key.as_deref()).collect();
-    let schedules: Vec<Option<&str>> = jobs.iter().map(|j| j.schedule.as_deref()).collect();
-    let runs: Vec<Option<&str>> = jobs.iter().map(|j| j.logical_run.as_deref()).collect();
-    let priorities: Vec<i16> = jobs.iter().map(|j| j.priority).collect();
+    let run_ats = column(jobs, |j| j.run_at);
+    let max_attempts = column(jobs, |j| j.max_attempts);
+    let keys = column(jobs, |j| j.idempotency_key.as_deref());
+    let priorities = column(jobs, |j| (j.priority != 0).then_some(i32::from(j.priority)));
+    let schedules = column(jobs, |j| j.schedule.as_deref());
+    let runs = column(jobs, |j| j.logical_run.as_deref());
 
-    // One statement, so one round trip: the rows and the NOTIFY for each kind
-    // that got a new row. (The count makes PostgreSQL run `notified`, which
-    // nothing else reads; with no new row there is nothing to notify.)
-    let returned: Vec<(i64, Option<String>)> = sqlx::query_as(
-        r#"
-        WITH ins AS (
-            INSERT INTO almanac.jobs (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
-            SELECT kind, payload, coalesce(run_at, now()), coalesce(max_attempts, 5), key, schedule, logical_run, priority
-            FROM unnest($1::text[], $2::jsonb[], $3::timestamptz[], $4::int[], $5::text[], $6::text[], $7::text[], $9::smallint[])
-                 WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run, priority, ord)
-            ORDER BY ord
-            ON CONFLICT (idempotency_key) DO NOTHING
-            RETURNING id, idempotency_key, kind
-        ), notified AS (
-            SELECT pg_notify($8, k.kind) FROM (SELECT DISTINCT kind FROM ins) k
-        )
-        SELECT id, idempotency_key FROM ins
-        WHERE (SELECT count(*) FROM notified) >= 0
-        "#,
-    )
-    .bind(&kinds)
-    .bind(&payloads)
-    .bind(&run_ats)
-    .bind(&max_attempts)
-    .bind(&keys)
-    .bind(&schedules)
-    .bind(&runs)
-    .bind(NOTIFY_CHANNEL)
-    .bind(&priorities)
-    .fetch_all(&mut *conn)
-    .await?;
-
-    // Keyed rows pair up by key. Unkeyed rows pair up by order: identity
-    // values are drawn as the ordered SELECT produces its rows.
-    let mut new_by_key = HashMap::new();
-    let mut unkeyed = Vec::new();
-    for (id, key) in returned {
-        match key {
-            Some(key) => {
-                new_by_key.insert(key, id);
+    let rows: Vec<(i64, i64, bool)> = sqlx::query_as(ENQUEUE_MANY_SQL)
+        .bind(&kinds)
+        .bind(&payloads)
+        .bind(&run_ats)
+        .bind(&max_attempts)
+        .bind(&keys)
+        .bind(&priorities)
+        .bind(&schedules)
+        .bind(&runs)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(refusal)?;
+    if rows.len() != jobs.len() {
+        return Err(QueueError::Invalid(format!(
+            "almanac.enqueue_many returned {} rows for {} jobs; is the database's migration 0114 the one this build carries?",
+            rows.len(),
+            jobs.len()
+        )));
+    }
+    Ok(rows
+        .into_iter()
+        .map(|(_, id, created)| {
+            if created {
+                Enqueued::New(id)
+            } else {
+                Enqueued::Existing(id)
             }
-            None => unkeyed.push(id),
+        })
+        .collect())
+}
+
+/// The call [`enqueue_many`] makes; the rows come back in input order.
+pub const ENQUEUE_MANY_SQL: &str = "SELECT ord, id, created FROM almanac.enqueue_many(\
+    kinds => $1, payloads => $2, run_ats => $3, max_attempts => $4, idempotency_keys => $5, \
+    priorities => $6, schedules => $7, logical_runs => $8)";
+
+/// The function's refusals, as the queue's own: an invalid value (SQLSTATE
+/// 22023) and a key whose holder vanished under the call (40001, raised by
+/// the function: retry) are [`QueueError::Invalid`] with the function's
+/// message; anything else stays a database error.
+fn refusal(err: sqlx::Error) -> QueueError {
+    if let sqlx::Error::Database(db) = &err {
+        let raised_by_function = db
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .is_some_and(|pg| pg.routine() == Some("exec_stmt_raise"));
+        if raised_by_function && matches!(db.code().as_deref(), Some("22023" | "40001")) {
+            return QueueError::Invalid(db.message().to_string());
         }
     }
-    unkeyed.sort_unstable();
-    let mut unkeyed = unkeyed.into_iter();
+    QueueError::Db(err)
+}
 
-    let missing: Vec<&str> = keys
-        .iter()
-        .flatten()
-        .copied()
-        .filter(|key| !new_by_key.contains_key(*key))
-        .collect();
-    let existing: HashMap<String, i64> = if missing.is_empty() {
-        HashMap::new()
-    } else {
-        sqlx::query_as(
-            "SELECT idempotency_key, id FROM almanac.jobs WHERE idempotency_key = ANY($1)",
-        )
-        .bind(&missing)
-        .fetch_all(&mut *conn)
-        .await?
-        .into_iter()
-        .collect()
-    };
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    let mut seen = HashSet::new();
-    let mut out = Vec::with_capacity(jobs.len());
-    for key in &keys {
-        let result = match key {
-            None => Enqueued::New(unkeyed.next().ok_or_else(|| {
-                QueueError::Invalid("insert returned fewer rows than jobs".into())
-            })?),
-            Some(key) => match new_by_key.get(*key) {
-                Some(&id) if seen.insert(*key) => Enqueued::New(id),
-                Some(&id) => Enqueued::Existing(id),
-                None => Enqueued::Existing(*existing.get(*key).ok_or_else(|| {
-                    QueueError::Invalid(format!(
-                        "idempotency key `{key}` conflicted but its job is not visible to this transaction; retry"
-                    ))
-                })?),
-            },
-        };
-        out.push(result);
+    /// The function's refusal is the queue's own; other errors stay
+    /// database errors.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn the_functions_refusal_is_an_invalid_job_with_its_message(pool: sqlx::PgPool) {
+        let err = sqlx::query("SELECT * FROM almanac.enqueue('mail', priority => 10)")
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        match refusal(err) {
+            QueueError::Invalid(message) => assert_eq!(
+                message,
+                "priority is 10; it must be 0 (the default) to 9, higher first"
+            ),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+        let err = sqlx::query("SELECT * FROM almanac.enqueue('mail', 'not json')")
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        assert!(matches!(refusal(err), QueueError::Db(_)));
     }
-
-    Ok(out)
 }

@@ -273,10 +273,13 @@ impl Recorded {
 /// on purpose: a ledger row and its job must be written together, and only
 /// for ledger rows this statement inserted, which a second statement cannot
 /// learn without a window in which a concurrent leader or backfill slips in
-/// (and the foreign key would be checked between them). Its job columns
-/// follow [`queue::enqueue_many`]'s insert; when the SQL function
-/// `almanac.enqueue` (issue #24) becomes the one enqueue implementation,
-/// this statement calls it instead.
+/// (and the foreign key would be checked between them). It cannot call
+/// `almanac.enqueue_many`, the one enqueue implementation that
+/// [`queue::enqueue_many`] calls: each ledger row must name its job's id
+/// before that job exists, and the function draws its own ids. Its job
+/// columns, defaults and NOTIFY follow the function's
+/// (migrations/0114_enqueue_function.sql); a change to one is a change to
+/// both.
 pub async fn record(
     conn: &mut PgConnection,
     batch: &[(&Schedule, &Planned)],

@@ -27,6 +27,7 @@ mod cli_broker;
 mod compose;
 mod consumer_faults;
 mod consumer_kinds;
+mod enqueue_sql;
 mod exec;
 mod exec_faults;
 mod leader;
