@@ -225,18 +225,19 @@ pub async fn enqueue_many(
 /// The call [`enqueue_many`] makes; the rows come back in input order.
 pub const ENQUEUE_MANY_SQL: &str = "SELECT ord, id, created FROM almanac.enqueue_many(\
     kinds => $1, payloads => $2, run_ats => $3, max_attempts => $4, idempotency_keys => $5, \
-    priorities => $6, schedules => $7, logical_runs => $8)";
+    priorities => $6, schedules => $7, logical_runs => $8) ORDER BY ord";
 
 /// The function's refusals, as the queue's own: an invalid value (SQLSTATE
-/// 22023) and a key whose holder vanished under the call (40001, raised by
-/// the function: retry) are [`QueueError::Invalid`] with the function's
-/// message; anything else stays a database error.
+/// 22023) is [`QueueError::Invalid`] with the function's message. Anything
+/// else stays a database error with its SQLSTATE, the function's 40001 (a
+/// key whose holder vanished under the call) included: a caller that
+/// retries serialization failures retries it, as it should.
 fn refusal(err: sqlx::Error) -> QueueError {
     if let sqlx::Error::Database(db) = &err {
         let raised_by_function = db
             .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
             .is_some_and(|pg| pg.routine() == Some("exec_stmt_raise"));
-        if raised_by_function && matches!(db.code().as_deref(), Some("22023" | "40001")) {
+        if raised_by_function && db.code().as_deref() == Some("22023") {
             return QueueError::Invalid(db.message().to_string());
         }
     }

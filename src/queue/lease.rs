@@ -235,9 +235,11 @@ pub async fn claim<'e>(db: impl PgExecutor<'e>, claim: &Claim<'_>) -> Result<Vec
     if claim.limit <= 0 || claim.kinds.is_empty() {
         return Ok(Vec::new());
     }
+    // No claim starts more than 2^31 jobs; the budget's arithmetic stays
+    // far from overflow whatever the caller passes.
     let jobs = sqlx::query_as::<_, Job>(CLAIM_SQL)
         .bind(claim.kinds)
-        .bind(claim.limit)
+        .bind(claim.limit.min(i64::from(i32::MAX)))
         .bind(millis(claim.lease))
         .fetch_all(db)
         .await?;

@@ -16,7 +16,8 @@
 //! **One fence for every path.** A job starts only by a claim that sets it
 //! `running`: a worker's [`super::claim`] (also in `dual` mode) or a broker
 //! consumer's [`super::claim_by_id`]. Both take their budget from
-//! `almanac.claim_budgets` (migration 0110), which locks the kind's limit
+//! `almanac.claim_budgets` (migration 0110; 0113 skips the per-key count when
+//! no key can reach its limit), which locks the kind's limit
 //! row until the claim commits and counts, with a snapshot taken after the
 //! lock, the kind's running jobs whose lease is unexpired. So claims of a
 //! limited kind are made one at a time, each seeing every earlier one; a

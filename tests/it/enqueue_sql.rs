@@ -752,5 +752,13 @@ async fn a_key_whose_holder_vanishes_under_the_call_is_refused_as_a_retry(pool: 
     let err = queue::enqueue(&mut conn, &NewJob::new("mail").idempotency_key("doomed"))
         .await
         .unwrap_err();
-    assert_eq!(err.to_string(), format!("invalid job: {message}"));
+    // A database error with its SQLSTATE, so that a caller's retry of
+    // serialization failures retries it.
+    match err {
+        almanac::queue::QueueError::Db(sqlx::Error::Database(db)) => {
+            assert_eq!(db.code().as_deref(), Some("40001"));
+            assert_eq!(db.message(), message);
+        }
+        other => panic!("expected the database's 40001, got {other:?}"),
+    }
 }
