@@ -253,9 +253,16 @@ async fn limited_burns(
     Ok((rates, ratios))
 }
 
+/// The median of a non-empty set of figures (of an even number, the mean
+/// of the middle two).
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    let mid = values.len() / 2;
+    if values.len() % 2 == 0 {
+        (values[mid - 1] + values[mid]) / 2.0
+    } else {
+        values[mid]
+    }
 }
 
 /// Limits that never bind: each kind of limit alone, and all three at
@@ -548,7 +555,7 @@ fn print_table(r: &Report) {
     for (case, rate) in &r.runtime_limited_jobs_per_s {
         println!(
             "{:<44} {:>14.0}  ({:.2} of without, beside it)",
-            format!("  the same, under {case} that never binds"),
+            format!("  the same under {case} (never reached)"),
             rate,
             r.runtime_limited_ratio[case]
         );

@@ -151,17 +151,7 @@ impl Figures {
     fn rates(&self) -> BTreeMap<&'static str, f64> {
         self.0
             .iter()
-            .map(|(way, rates)| {
-                let mut rates = rates.clone();
-                rates.sort_by(f64::total_cmp);
-                let mid = rates.len() / 2;
-                let median = if rates.len() % 2 == 0 {
-                    (rates[mid - 1] + rates[mid]) / 2.0
-                } else {
-                    rates[mid]
-                };
-                (way.name(), median)
-            })
+            .map(|(way, rates)| (way.name(), super::median(&mut rates.clone())))
             .collect()
     }
 }
