@@ -193,10 +193,10 @@ $$;
 
 
 --
--- Name: enqueue(text, jsonb, timestamp with time zone, integer, text, integer); Type: FUNCTION; Schema: almanac; Owner: -
+-- Name: enqueue(text, jsonb, timestamp with time zone, integer, text, integer, text, text); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
-CREATE FUNCTION almanac.enqueue(kind text, payload jsonb DEFAULT '{}'::jsonb, run_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, idempotency_key text DEFAULT NULL::text, priority integer DEFAULT 0, OUT id bigint, OUT created boolean) RETURNS record
+CREATE FUNCTION almanac.enqueue(kind text, payload jsonb DEFAULT '{}'::jsonb, run_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, idempotency_key text DEFAULT NULL::text, priority integer DEFAULT 0, ordering_key text DEFAULT NULL::text, traceparent text DEFAULT NULL::text, OUT id bigint, OUT created boolean) RETURNS record
     LANGUAGE plpgsql
     AS $$
 BEGIN
@@ -209,27 +209,30 @@ BEGIN
         run_ats => ARRAY[enqueue.run_at],
         max_attempts => ARRAY[enqueue.max_attempts],
         idempotency_keys => ARRAY[enqueue.idempotency_key],
-        priorities => ARRAY[enqueue.priority]) AS e;
+        priorities => ARRAY[enqueue.priority],
+        ordering_keys => ARRAY[enqueue.ordering_key],
+        traceparents => ARRAY[enqueue.traceparent]) AS e;
 END
 $$;
 
 
 --
--- Name: FUNCTION enqueue(kind text, payload jsonb, run_at timestamp with time zone, max_attempts integer, idempotency_key text, priority integer, OUT id bigint, OUT created boolean); Type: COMMENT; Schema: almanac; Owner: -
+-- Name: FUNCTION enqueue(kind text, payload jsonb, run_at timestamp with time zone, max_attempts integer, idempotency_key text, priority integer, ordering_key text, traceparent text, OUT id bigint, OUT created boolean); Type: COMMENT; Schema: almanac; Owner: -
 --
 
-COMMENT ON FUNCTION almanac.enqueue(kind text, payload jsonb, run_at timestamp with time zone, max_attempts integer, idempotency_key text, priority integer, OUT id bigint, OUT created boolean) IS 'Enqueues one job in the caller''s transaction: SELECT id, created FROM almanac.enqueue(''send_email'',
+COMMENT ON FUNCTION almanac.enqueue(kind text, payload jsonb, run_at timestamp with time zone, max_attempts integer, idempotency_key text, priority integer, ordering_key text, traceparent text, OUT id bigint, OUT created boolean) IS 'Enqueues one job in the caller''s transaction: SELECT id, created FROM almanac.enqueue(''send_email'',
 ''{"to": "ada@example.com"}'', idempotency_key => ''welcome:ada''). Defaults: payload {}, run_at now(),
-max_attempts 5, no idempotency key, priority 0 (0 to 9, higher first). created is false when the
+max_attempts 5, no idempotency key, priority 0 (0 to 9, higher first), no ordering key, no
+traceparent. created is false when the
 idempotency key was taken; id is then the existing job''s. Invalid values raise SQLSTATE 22023,
 inserting nothing. See almanac.enqueue_many and docs/enqueue.md.';
 
 
 --
--- Name: enqueue_many(text[], jsonb[], timestamp with time zone[], integer[], text[], integer[], text[], text[]); Type: FUNCTION; Schema: almanac; Owner: -
+-- Name: enqueue_many(text[], jsonb[], timestamp with time zone[], integer[], text[], integer[], text[], text[], text[], text[]); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
-CREATE FUNCTION almanac.enqueue_many(kinds text[], payloads jsonb[] DEFAULT NULL::jsonb[], run_ats timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], max_attempts integer[] DEFAULT NULL::integer[], idempotency_keys text[] DEFAULT NULL::text[], priorities integer[] DEFAULT NULL::integer[], schedules text[] DEFAULT NULL::text[], logical_runs text[] DEFAULT NULL::text[], OUT ord bigint, OUT id bigint, OUT created boolean) RETURNS SETOF record
+CREATE FUNCTION almanac.enqueue_many(kinds text[], payloads jsonb[] DEFAULT NULL::jsonb[], run_ats timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], max_attempts integer[] DEFAULT NULL::integer[], idempotency_keys text[] DEFAULT NULL::text[], priorities integer[] DEFAULT NULL::integer[], schedules text[] DEFAULT NULL::text[], logical_runs text[] DEFAULT NULL::text[], ordering_keys text[] DEFAULT NULL::text[], traceparents text[] DEFAULT NULL::text[], OUT ord bigint, OUT id bigint, OUT created boolean) RETURNS SETOF record
     LANGUAGE plpgsql
     AS $_$
 #variable_conflict use_column
@@ -263,6 +266,8 @@ BEGIN
        OR cardinality(enqueue_many.priorities) <> n OR array_ndims(enqueue_many.priorities) > 1
        OR cardinality(enqueue_many.schedules) <> n OR array_ndims(enqueue_many.schedules) > 1
        OR cardinality(enqueue_many.logical_runs) <> n OR array_ndims(enqueue_many.logical_runs) > 1
+       OR cardinality(enqueue_many.ordering_keys) <> n OR array_ndims(enqueue_many.ordering_keys) > 1
+       OR cardinality(enqueue_many.traceparents) <> n OR array_ndims(enqueue_many.traceparents) > 1
     THEN
         SELECT a.name, a.len, a.dims INTO v_bad
         FROM (VALUES
@@ -273,7 +278,9 @@ BEGIN
             ('idempotency_keys', cardinality(enqueue_many.idempotency_keys), array_ndims(enqueue_many.idempotency_keys)),
             ('priorities', cardinality(enqueue_many.priorities), array_ndims(enqueue_many.priorities)),
             ('schedules', cardinality(enqueue_many.schedules), array_ndims(enqueue_many.schedules)),
-            ('logical_runs', cardinality(enqueue_many.logical_runs), array_ndims(enqueue_many.logical_runs))
+            ('logical_runs', cardinality(enqueue_many.logical_runs), array_ndims(enqueue_many.logical_runs)),
+            ('ordering_keys', cardinality(enqueue_many.ordering_keys), array_ndims(enqueue_many.ordering_keys)),
+            ('traceparents', cardinality(enqueue_many.traceparents), array_ndims(enqueue_many.traceparents))
         ) AS a(name, len, dims)
         -- A NULL array has no length; '{}' has length 0 and no dimensions.
         WHERE a.dims > 1 OR a.len <> n
@@ -301,6 +308,9 @@ BEGIN
        OR 1 > ANY (enqueue_many.max_attempts)
        OR 0 > ANY (enqueue_many.priorities) OR 9 < ANY (enqueue_many.priorities)
        OR '' = ANY (enqueue_many.idempotency_keys)
+       OR '' = ANY (enqueue_many.ordering_keys)
+       OR (enqueue_many.traceparents IS NOT NULL
+           AND NOT (SELECT bool_and(almanac.traceparent_ok(tp)) FROM unnest(enqueue_many.traceparents) AS tp))
     THEN
         SELECT t.i, CASE
             WHEN t.kind IS NULL OR t.kind !~ '\S' THEN
@@ -313,13 +323,20 @@ BEGIN
                 format('priority is %s; it must be 0 (the default) to 9, higher first', t.priority)
             WHEN t.key = '' THEN
                 'the idempotency key is empty; omit it or give a value'
+            WHEN t.okey = '' THEN
+                'the ordering key is empty; omit it or give a value'
+            WHEN NOT almanac.traceparent_ok(t.tp) THEN
+                format('traceparent %s is not a W3C trace context header (00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, '
+                       'lowercase, ids not all zeros); pass the header your tracer formats, or omit it',
+                       quote_literal(t.tp))
             END AS problem
         INTO v_bad
         FROM unnest(enqueue_many.kinds, enqueue_many.max_attempts, enqueue_many.priorities,
-                    enqueue_many.idempotency_keys)
-             WITH ORDINALITY AS t(kind, max_attempts, priority, key, i)
+                    enqueue_many.idempotency_keys, enqueue_many.ordering_keys, enqueue_many.traceparents)
+             WITH ORDINALITY AS t(kind, max_attempts, priority, key, okey, tp, i)
         WHERE t.kind IS NULL OR t.kind !~ '\S' OR t.max_attempts < 1
-           OR t.priority NOT BETWEEN 0 AND 9 OR t.key = ''
+           OR t.priority NOT BETWEEN 0 AND 9 OR t.key = '' OR t.okey = ''
+           OR NOT almanac.traceparent_ok(t.tp)
         ORDER BY t.i
         LIMIT 1;
         IF FOUND AND n > 1 THEN
@@ -336,7 +353,8 @@ BEGIN
         -- aggregates. Elements are taken by position, whatever an array's
         -- lower bound.
         INSERT INTO almanac.jobs AS j
-            (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
+            (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority,
+             ordering_key, traceparent)
         VALUES (enqueue_many.kinds[array_lower(enqueue_many.kinds, 1)],
                 coalesce(enqueue_many.payloads[array_lower(enqueue_many.payloads, 1)], '{}'),
                 coalesce(enqueue_many.run_ats[array_lower(enqueue_many.run_ats, 1)], now()),
@@ -344,7 +362,9 @@ BEGIN
                 enqueue_many.idempotency_keys[array_lower(enqueue_many.idempotency_keys, 1)],
                 enqueue_many.schedules[array_lower(enqueue_many.schedules, 1)],
                 enqueue_many.logical_runs[array_lower(enqueue_many.logical_runs, 1)],
-                coalesce(enqueue_many.priorities[array_lower(enqueue_many.priorities, 1)], 0))
+                coalesce(enqueue_many.priorities[array_lower(enqueue_many.priorities, 1)], 0),
+                enqueue_many.ordering_keys[array_lower(enqueue_many.ordering_keys, 1)],
+                enqueue_many.traceparents[array_lower(enqueue_many.traceparents, 1)])
         ON CONFLICT (idempotency_key) DO NOTHING
         RETURNING j.id, j.kind INTO id, v_kind;
         ord := 1;
@@ -368,14 +388,17 @@ BEGIN
     -- drawn as the rows are inserted, so the new ids ascend in input order.
     WITH ins AS (
         INSERT INTO almanac.jobs AS j
-            (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
+            (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority,
+             ordering_key, traceparent)
         SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
-               coalesce(t.max_attempts, 5), t.key, t.schedule, t.logical_run, coalesce(t.priority, 0)
+               coalesce(t.max_attempts, 5), t.key, t.schedule, t.logical_run, coalesce(t.priority, 0),
+               t.okey, t.tp
         FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
                     enqueue_many.max_attempts, enqueue_many.idempotency_keys,
-                    enqueue_many.schedules, enqueue_many.logical_runs, enqueue_many.priorities)
+                    enqueue_many.schedules, enqueue_many.logical_runs, enqueue_many.priorities,
+                    enqueue_many.ordering_keys, enqueue_many.traceparents)
              WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run,
-                                  priority, i)
+                                  priority, okey, tp, i)
         -- Of jobs with the same key in one call, the first is inserted.
         ORDER BY t.i
         ON CONFLICT (idempotency_key) DO NOTHING
@@ -438,13 +461,15 @@ $_$;
 
 
 --
--- Name: FUNCTION enqueue_many(kinds text[], payloads jsonb[], run_ats timestamp with time zone[], max_attempts integer[], idempotency_keys text[], priorities integer[], schedules text[], logical_runs text[], OUT ord bigint, OUT id bigint, OUT created boolean); Type: COMMENT; Schema: almanac; Owner: -
+-- Name: FUNCTION enqueue_many(kinds text[], payloads jsonb[], run_ats timestamp with time zone[], max_attempts integer[], idempotency_keys text[], priorities integer[], schedules text[], logical_runs text[], ordering_keys text[], traceparents text[], OUT ord bigint, OUT id bigint, OUT created boolean); Type: COMMENT; Schema: almanac; Owner: -
 --
 
-COMMENT ON FUNCTION almanac.enqueue_many(kinds text[], payloads jsonb[], run_ats timestamp with time zone[], max_attempts integer[], idempotency_keys text[], priorities integer[], schedules text[], logical_runs text[], OUT ord bigint, OUT id bigint, OUT created boolean) IS 'Enqueues jobs in the caller''s transaction; the one implementation of enqueue (docs/enqueue.md).
+COMMENT ON FUNCTION almanac.enqueue_many(kinds text[], payloads jsonb[], run_ats timestamp with time zone[], max_attempts integer[], idempotency_keys text[], priorities integer[], schedules text[], logical_runs text[], ordering_keys text[], traceparents text[], OUT ord bigint, OUT id bigint, OUT created boolean) IS 'Enqueues jobs in the caller''s transaction; the one implementation of enqueue (docs/enqueue.md).
 Parallel arrays, element i of each describing job i; a NULL array or element takes the default:
 payload {}, run_at now(), max_attempts 5, no idempotency key, priority 0 (0 to 9, higher first).
 schedules and logical_runs are set by the scheduler for the jobs of schedule runs; leave them NULL.
+ordering_keys: jobs of one key of an ordered kind run one at a time, in enqueue order (almanac ordering set).
+traceparents: the W3C traceparent of the enqueuing request; the job''s spans join its trace.
 Returns one row per job, in input order: (ord, id, created); created is false when the
 idempotency key was taken (by a row that exists or earlier in the call) and id is that job''s.
 Arrays of different lengths and invalid values raise SQLSTATE 22023, inserting nothing.';
@@ -463,15 +488,63 @@ $$;
 
 
 --
+-- Name: jobs_release_key(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.jobs_release_key() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM almanac.release_or_note(OLD.kind, OLD.ordering_key);
+    RETURN NULL;
+END $$;
+
+
+--
 -- Name: jobs_take_route(); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
 CREATE FUNCTION almanac.jobs_take_route() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_mode text;
+    v_ordered boolean;
+    v_path text[];
+    v_halt boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || NEW.kind));
-    NEW.route := coalesce((SELECT mode FROM almanac.routes WHERE kind = NEW.kind), 'db');
+    SELECT r.mode, o.kind IS NOT NULL, o.key_path, o.on_dead = 'halt'
+    INTO v_mode, v_ordered, v_path, v_halt
+    FROM (SELECT NEW.kind AS kind) AS k
+    LEFT JOIN almanac.routes AS r ON r.kind = k.kind
+    LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
+    NEW.route := coalesce(v_mode, 'db');
+    IF NOT v_ordered THEN
+        IF NEW.ordering_key IS NOT NULL THEN
+            RAISE EXCEPTION 'kind % is not ordered, so its job cannot take ordering key %; run `almanac ordering set %` first, or omit the key',
+                quote_literal(NEW.kind), quote_literal(NEW.ordering_key), NEW.kind
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RETURN NEW;
+    END IF;
+    IF NEW.ordering_key IS NULL AND v_path IS NOT NULL THEN
+        NEW.ordering_key := NEW.payload #>> v_path;
+    END IF;
+    IF NEW.ordering_key IS NOT NULL AND NEW.status = 'ready' THEN
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RAISE EXCEPTION 'a job of ordered kind % is enqueued under READ COMMITTED only, not %; enqueue it in a READ COMMITTED transaction',
+                quote_literal(NEW.kind), upper(current_setting('transaction_isolation'))
+                USING ERRCODE = 'feature_not_supported';
+        END IF;
+        PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(NEW.kind, NEW.ordering_key));
+        IF almanac.key_blocked(NEW.kind, NEW.ordering_key, v_halt, NULL)
+           OR EXISTS (SELECT 1 FROM almanac.jobs AS j
+                      WHERE j.kind = NEW.kind AND j.ordering_key = NEW.ordering_key
+                        AND j.status = 'held') THEN
+            NEW.status := 'held';
+        END IF;
+    END IF;
     RETURN NEW;
 END $$;
 
@@ -493,6 +566,165 @@ END $$;
 
 
 --
+-- Name: key_blocked(text, text, boolean, bigint); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.key_blocked(p_kind text, p_key text, p_halt boolean, p_except bigint) RETURNS boolean
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM almanac.jobs AS j
+        WHERE j.kind = p_kind AND j.ordering_key = p_key
+          AND j.status IN ('ready', 'running', 'dead')
+          AND (j.status <> 'dead' OR p_halt)
+          AND j.id IS DISTINCT FROM p_except)
+$$;
+
+
+--
+-- Name: ordering_lock_id(text, text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.ordering_lock_id(p_kind text, p_key text) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT hashtextextended('almanac.order:' || p_kind || ':' || p_key, 0)
+$$;
+
+
+--
+-- Name: recheck_keys(integer); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.recheck_keys(p_limit integer) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    r record;
+    v_released integer := 0;
+BEGIN
+    FOR r IN
+        DELETE FROM almanac.ordering_recheck AS c
+        WHERE (c.kind, c.ordering_key) IN (
+            SELECT n.kind, n.ordering_key FROM almanac.ordering_recheck AS n
+            ORDER BY n.noted_at LIMIT p_limit FOR UPDATE SKIP LOCKED)
+        RETURNING c.kind, c.ordering_key
+    LOOP
+        IF pg_try_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.ordering_key))
+           AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind)) THEN
+            IF almanac.release_key(r.kind, r.ordering_key) IS NOT NULL THEN
+                v_released := v_released + 1;
+            END IF;
+        ELSE
+            INSERT INTO almanac.ordering_recheck (kind, ordering_key)
+            VALUES (r.kind, r.ordering_key) ON CONFLICT DO NOTHING;
+        END IF;
+    END LOOP;
+    RETURN v_released;
+END $$;
+
+
+--
+-- Name: release_held(bigint[]); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.release_held(p_ids bigint[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    r record;
+    v_released integer := 0;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
+        WHERE j.id = ANY (p_ids) AND j.status = 'held'
+        ORDER BY j.kind, j.ordering_key
+    LOOP
+        PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.ordering_key));
+        IF almanac.release_key(r.kind, r.ordering_key) IS NOT NULL THEN
+            v_released := v_released + 1;
+        END IF;
+    END LOOP;
+    RETURN v_released;
+END $$;
+
+
+--
+-- Name: release_key(text, text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.release_key(p_kind text, p_key text) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_id bigint;
+BEGIN
+    IF almanac.key_blocked(p_kind, p_key,
+                           coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                                     WHERE o.kind = p_kind), false),
+                           NULL) THEN
+        RETURN NULL;
+    END IF;
+    UPDATE almanac.jobs AS j SET status = 'ready', route = almanac.route_of(p_kind)
+    WHERE j.id = (SELECT h.id FROM almanac.jobs AS h
+                  WHERE h.kind = p_kind AND h.ordering_key = p_key AND h.status = 'held'
+                  ORDER BY h.id LIMIT 1)
+      AND j.status = 'held'
+    RETURNING j.id INTO v_id;
+    IF v_id IS NOT NULL THEN
+        PERFORM pg_notify('almanac_jobs', p_kind);
+    END IF;
+    RETURN v_id;
+END $$;
+
+
+--
+-- Name: release_or_note(text, text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.release_or_note(p_kind text, p_key text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_lock bigint := almanac.ordering_lock_id(p_kind, p_key);
+    v_locked boolean;
+    v_timeout text;
+BEGIN
+    v_locked := pg_try_advisory_xact_lock(v_lock);
+    IF NOT v_locked THEN
+        v_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '50ms', true);
+        BEGIN
+            PERFORM pg_advisory_xact_lock(v_lock);
+            v_locked := true;
+        EXCEPTION WHEN lock_not_available THEN
+            v_locked := false;
+        END;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    END IF;
+    IF v_locked AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kind)) THEN
+        PERFORM almanac.release_key(p_kind, p_key);
+    ELSE
+        INSERT INTO almanac.ordering_recheck (kind, ordering_key) VALUES (p_kind, p_key)
+        ON CONFLICT DO NOTHING;
+    END IF;
+END $$;
+
+
+--
+-- Name: retry_status(text, text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.retry_status(p_kind text, p_key text) RETURNS text
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT CASE WHEN p_key IS NOT NULL
+                     AND EXISTS (SELECT 1 FROM almanac.kind_ordering AS o WHERE o.kind = p_kind)
+                THEN 'held' ELSE 'ready' END
+$$;
+
+
+--
 -- Name: route_of(text); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -503,6 +735,21 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kind));
     RETURN coalesce((SELECT mode FROM almanac.routes WHERE kind = p_kind), 'db');
 END $$;
+
+
+--
+-- Name: traceparent_ok(text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.traceparent_ok(tp text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $_$
+    SELECT tp IS NULL
+        OR (tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+            AND left(tp, 2) <> 'ff'
+            AND substr(tp, 4, 32) <> '00000000000000000000000000000000'
+            AND substr(tp, 37, 16) <> '0000000000000000')
+$_$;
 
 
 SET default_tablespace = '';
@@ -534,6 +781,8 @@ CREATE TABLE almanac.jobs (
     cancelled_by text,
     cancel_reason text,
     priority smallint DEFAULT 0 NOT NULL,
+    ordering_key text,
+    traceparent text,
     CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
     CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
@@ -559,13 +808,15 @@ BEGIN
     INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at, bytes)
     VALUES (
         j.id, r.sink, r.destination,
-        coalesce(j.idempotency_key, 'almanac:job:' || j.id),
+        coalesce(j.ordering_key, j.idempotency_key, 'almanac:job:' || j.id),
         j.payload,
-        jsonb_build_object(
+        jsonb_strip_nulls(jsonb_build_object(
             'almanac-job-id', j.id::text,
             'almanac-kind', j.kind,
             'almanac-attempt', (j.attempts + 1)::text,
-            'almanac-logical-run', coalesce(j.logical_run, '')),
+            'almanac-logical-run', coalesce(j.logical_run, ''),
+            'almanac-ordering-key', j.ordering_key,
+            'traceparent', j.traceparent)),
         j.run_at,
         octet_length(j.payload::text));
     PERFORM pg_notify('almanac_outbox', r.sink);
@@ -661,6 +912,23 @@ CREATE TABLE almanac.kind_limits (
 
 
 --
+-- Name: kind_ordering; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.kind_ordering (
+    kind text NOT NULL,
+    key_pointer text,
+    key_path text[],
+    on_dead text DEFAULT 'halt'::text NOT NULL,
+    set_at timestamp with time zone DEFAULT now() NOT NULL,
+    set_by text NOT NULL,
+    CONSTRAINT kind_ordering_check CHECK (((key_pointer IS NULL) = (key_path IS NULL))),
+    CONSTRAINT kind_ordering_kind_check CHECK (((kind <> ''::text) AND (kind <> '*'::text))),
+    CONSTRAINT kind_ordering_on_dead_check CHECK ((on_dead = ANY (ARRAY['halt'::text, 'skip'::text])))
+);
+
+
+--
 -- Name: kind_pauses; Type: TABLE; Schema: almanac; Owner: -
 --
 
@@ -670,6 +938,17 @@ CREATE TABLE almanac.kind_pauses (
     paused_by text NOT NULL,
     note text,
     CONSTRAINT kind_pauses_kind_check CHECK ((kind <> ''::text))
+);
+
+
+--
+-- Name: ordering_recheck; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.ordering_recheck (
+    kind text NOT NULL,
+    ordering_key text NOT NULL,
+    noted_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
 
@@ -861,7 +1140,15 @@ ALTER TABLE almanac.jobs
 --
 
 ALTER TABLE almanac.jobs
-    ADD CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text, 'cancelled'::text]))) NOT VALID;
+    ADD CONSTRAINT jobs_status_check CHECK ((status = ANY (ARRAY['ready'::text, 'running'::text, 'done'::text, 'dead'::text, 'cancelled'::text, 'held'::text]))) NOT VALID;
+
+
+--
+-- Name: jobs jobs_traceparent_check; Type: CHECK CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE almanac.jobs
+    ADD CONSTRAINT jobs_traceparent_check CHECK (almanac.traceparent_ok(traceparent)) NOT VALID;
 
 
 --
@@ -873,11 +1160,27 @@ ALTER TABLE ONLY almanac.kind_limits
 
 
 --
+-- Name: kind_ordering kind_ordering_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.kind_ordering
+    ADD CONSTRAINT kind_ordering_pkey PRIMARY KEY (kind);
+
+
+--
 -- Name: kind_pauses kind_pauses_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
 --
 
 ALTER TABLE ONLY almanac.kind_pauses
     ADD CONSTRAINT kind_pauses_pkey PRIMARY KEY (kind);
+
+
+--
+-- Name: ordering_recheck ordering_recheck_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.ordering_recheck
+    ADD CONSTRAINT ordering_recheck_pkey PRIMARY KEY (kind, ordering_key);
 
 
 --
@@ -981,6 +1284,13 @@ CREATE INDEX jobs_done_finished_idx ON almanac.jobs USING btree (finished_at) WH
 
 
 --
+-- Name: jobs_ordering_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ordering_idx ON almanac.jobs USING btree (kind, ordering_key, id) WHERE ((ordering_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'running'::text, 'held'::text, 'dead'::text])));
+
+
+--
 -- Name: jobs_ready_due_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
@@ -1006,6 +1316,13 @@ CREATE INDEX jobs_ready_priority_idx ON almanac.jobs USING btree (kind, priority
 --
 
 CREATE INDEX jobs_running_lease_idx ON almanac.jobs USING btree (lease_until) WHERE (status = 'running'::text);
+
+
+--
+-- Name: jobs_schedule_held_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_schedule_held_idx ON almanac.jobs USING btree (schedule) WHERE ((schedule IS NOT NULL) AND (status = 'held'::text));
 
 
 --
@@ -1097,6 +1414,20 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 --
 
 CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
+
+
+--
+-- Name: jobs jobs_release_key; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_release_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_release_key();
+
+
+--
+-- Name: jobs jobs_release_key_on_delete; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_release_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])))) EXECUTE FUNCTION almanac.jobs_release_key();
 
 
 --

@@ -1,5 +1,5 @@
 //! `almanac enqueue KIND [--payload JSON] [--key KEY] [--run-at RFC3339] [--max-attempts N]
-//! [--priority 0-9]`
+//! [--priority 0-9] [--ordering-key KEY] [--traceparent HEADER]`
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
@@ -28,6 +28,24 @@ pub struct Args {
     #[arg(long, env = "ALMANAC_PRIORITY", default_value = "0", allow_negative_numbers = true,
           value_parser = parse_priority)]
     priority: i16,
+    /// Jobs of an ordered kind with the same ordering key run one at a
+    /// time, in enqueue order (`almanac ordering set KIND` first).
+    #[arg(long, env = "ALMANAC_ORDERING_KEY")]
+    ordering_key: Option<String>,
+    /// The W3C traceparent of the enqueuing request (00-<trace id>-<span
+    /// id>-<flags>): the job's spans join its trace. TRACEPARENT, as exec
+    /// handlers get it, is read when the flag is not given.
+    #[arg(long, env = "TRACEPARENT", value_parser = parse_traceparent)]
+    traceparent: Option<String>,
+}
+
+/// A traceparent as the queue takes it ([`queue::check_traceparent`]).
+pub fn parse_traceparent(s: &str) -> Result<String, String> {
+    queue::check_traceparent(s).map_err(|e| match e {
+        queue::QueueError::Invalid(m) => m,
+        other => other.to_string(),
+    })?;
+    Ok(s.to_string())
 }
 
 /// A priority as the queue takes it: its own message names a value out of
@@ -68,6 +86,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     job.run_at = args.run_at;
     job.max_attempts = args.max_attempts;
     job.idempotency_key = args.key.clone();
+    job.ordering_key = args.ordering_key;
+    job.traceparent = args.traceparent;
     let mut conn = pool.acquire().await?;
     let enqueued = queue::enqueue(&mut conn, &job)
         .await

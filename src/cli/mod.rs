@@ -16,6 +16,7 @@ mod kinds;
 mod limits;
 mod migrate;
 mod ops;
+mod ordering;
 mod route;
 mod run;
 mod schedules;
@@ -68,6 +69,8 @@ enum Command {
     Kinds(kinds::Args),
     /// Set, clear or list a kind's concurrency and rate limits.
     Limits(limits::Args),
+    /// Run a kind's jobs one at a time per ordering key, in enqueue order.
+    Ordering(ordering::Args),
     /// The audit log of operator actions, newest first.
     Audit(audit::Args),
     /// Queue health: jobs by status and kind, oldest due job, expired leases.
@@ -192,6 +195,7 @@ pub async fn main() -> ExitCode {
         Command::Jobs(args) => jobs::run(&ctx, args).await,
         Command::Kinds(args) => kinds::run(&ctx, args).await,
         Command::Limits(args) => limits::run(&ctx, args).await,
+        Command::Ordering(args) => ordering::run(&ctx, args).await,
         Command::Audit(args) => audit::run(&ctx, args).await,
         Command::Stats(args) => stats::run(&ctx, args).await,
         Command::Run(args) => run::run(&ctx, args).await,

@@ -63,7 +63,7 @@ impl Bulk {
     pub fn statuses(self) -> &'static [JobStatus] {
         match self {
             Bulk::Retry => &[JobStatus::Dead, JobStatus::Cancelled],
-            Bulk::Cancel => &[JobStatus::Ready, JobStatus::Running],
+            Bulk::Cancel => &[JobStatus::Ready, JobStatus::Held, JobStatus::Running],
             Bulk::Delete => &[JobStatus::Done, JobStatus::Dead, JobStatus::Cancelled],
         }
     }
@@ -368,12 +368,12 @@ async fn cancel(
     let changed: Vec<(i64, JobStatus)> = sqlx::query_as(
         r#"
         UPDATE almanac.jobs
-        SET status = CASE WHEN status = 'ready' THEN 'cancelled' ELSE status END,
-            finished_at = CASE WHEN status = 'ready' THEN clock_timestamp() ELSE finished_at END,
+        SET status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
+            finished_at = CASE WHEN status = 'running' THEN finished_at ELSE clock_timestamp() END,
             cancel_requested_at = coalesce(cancel_requested_at, clock_timestamp()),
             cancelled_by = $2,
             cancel_reason = $3
-        WHERE id = ANY($1) AND status IN ('ready', 'running')
+        WHERE id = ANY($1) AND status IN ('ready', 'held', 'running')
         RETURNING id, status
         "#,
     )

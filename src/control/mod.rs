@@ -19,12 +19,15 @@
 //!   ([`crate::scheduler::controls`]) with their audit rows.
 //! - [`limits`]: set and clear a kind's limits
 //!   ([`crate::queue::limits`]).
+//! - [`ordering`]: order a kind's jobs per key, or stop
+//!   ([`crate::queue::ordering`]).
 //! - [`audit`]: the log itself, and reading it back.
 
 pub mod audit;
 pub mod bulk;
 pub mod jobs;
 pub mod limits;
+pub mod ordering;
 pub mod pause;
 pub mod schedules;
 

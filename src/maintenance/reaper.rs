@@ -1,5 +1,6 @@
 //! The reaper: returns jobs whose lease expired to `ready`, or to `dead` when
-//! their attempts are used up.
+//! their attempts are used up; and releases the ordering keys whose head
+//! ended while the key was busy ([`crate::queue::ordering`]).
 //!
 //! A lease expires when its worker died, hung, or lost the database for longer
 //! than the lease. Each sweep takes at most `batch_size` rows per statement
@@ -83,6 +84,14 @@ impl Periodic for Reaper {
             let reaped = batch.requeued + batch.buried + batch.cancelled;
             self.metrics.record_reaped(reaped);
             if (reaped as i64) < self.config.batch_size || shutdown.is_cancelled() {
+                break;
+            }
+        }
+        // Ordering keys whose head ended while the key was busy.
+        loop {
+            let released = queue::ordering::recheck(&self.pool, self.config.batch_size).await?;
+            total.released += released;
+            if (released as i64) < self.config.batch_size || shutdown.is_cancelled() {
                 return Ok(total);
             }
         }
@@ -96,6 +105,9 @@ impl Periodic for Reaper {
                 cancelled = r.cancelled,
                 "reaped expired leases"
             );
+        }
+        if r.released > 0 {
+            info!(released = r.released, "released held jobs of ordering keys");
         }
     }
 }

@@ -97,12 +97,24 @@ pub async fn retry_in(tx: &mut PgConnection, id: i64) -> Result<Job, QueueError>
         id,
         "dead or cancelled",
         "retry",
-        "UPDATE almanac.jobs SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
+        "UPDATE almanac.jobs SET status = almanac.retry_status(kind, ordering_key), \
+             attempts = 0, run_at = now(), finished_at = NULL, \
              route = almanac.route_of(kind), \
              cancel_requested_at = NULL, cancelled_by = NULL, cancel_reason = NULL \
          WHERE id = $1 AND status IN ('dead', 'cancelled') RETURNING *",
     )
     .await?;
+    // A job of an ordered kind came back `held`: its key's next job (this
+    // one, unless a job stands before it) is released (migration 0115).
+    let job = if job.status == JobStatus::Held {
+        sqlx::query("SELECT almanac.release_held(ARRAY[$1::bigint])")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        get(&mut *tx, id).await?
+    } else {
+        job
+    };
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(NOTIFY_CHANNEL)
         .bind(&job.kind)
@@ -143,12 +155,12 @@ pub async fn cancel_in(
     let changed: Option<Job> = sqlx::query_as(
         r#"
         UPDATE almanac.jobs
-        SET status = CASE WHEN status = 'ready' THEN 'cancelled' ELSE status END,
-            finished_at = CASE WHEN status = 'ready' THEN clock_timestamp() ELSE finished_at END,
+        SET status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
+            finished_at = CASE WHEN status = 'running' THEN finished_at ELSE clock_timestamp() END,
             cancel_requested_at = coalesce(cancel_requested_at, clock_timestamp()),
             cancelled_by = $2,
             cancel_reason = $3
-        WHERE id = $1 AND status IN ('ready', 'running')
+        WHERE id = $1 AND status IN ('ready', 'held', 'running')
         RETURNING *
         "#,
     )
@@ -215,7 +227,7 @@ pub struct KindAge {
 /// `done` is PostgreSQL's row estimate minus the rest.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
-    /// Ready, running, dead and cancelled jobs per kind (kinds with none are absent).
+    /// Ready, running, held, dead and cancelled jobs per kind (kinds with none are absent).
     pub by_kind_status: Vec<KindStatusCount>,
     /// Per kind with due ready jobs: how long the oldest has waited.
     pub oldest_due_ready: Vec<KindAge>,
@@ -244,6 +256,9 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         UNION ALL
         SELECT kind, status, count(*) FROM almanac.jobs
          WHERE status = 'cancelled' GROUP BY kind, status
+        UNION ALL
+        SELECT kind, status, count(*) FROM almanac.jobs
+         WHERE status = 'held' AND ordering_key IS NOT NULL GROUP BY kind, status
         ORDER BY kind, status
         "#,
     )
@@ -293,15 +308,16 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
     })
 }
 
-/// Of `schedules`, those with a job still ready or running (the scheduler's
-/// `overlap = "skip"` check), through `jobs_schedule_unfinished_idx`.
+/// Of `schedules`, those with a job still ready, running or held (the
+/// scheduler's `overlap = "skip"` check), through
+/// `jobs_schedule_unfinished_idx` and `jobs_schedule_held_idx`.
 pub async fn schedules_with_unfinished_jobs(
     conn: &mut PgConnection,
     schedules: &[&str],
 ) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT DISTINCT schedule FROM almanac.jobs \
-         WHERE schedule = ANY($1) AND status IN ('ready', 'running')",
+         WHERE schedule = ANY($1) AND (status IN ('ready', 'running') OR status = 'held')",
     )
     .bind(schedules)
     .fetch_all(conn)

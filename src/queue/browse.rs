@@ -297,7 +297,8 @@ pub async fn retry_locked(tx: &mut PgConnection, ids: &[i64]) -> Result<u64, Que
     .execute(&mut *tx)
     .await?;
     let mut kinds: Vec<String> = sqlx::query_scalar(
-        "UPDATE almanac.jobs j SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, \
+        "UPDATE almanac.jobs j SET status = almanac.retry_status(j.kind, j.ordering_key), \
+             attempts = 0, run_at = now(), finished_at = NULL, \
              route = almanac.route_of(j.kind), \
              cancel_requested_at = NULL, cancelled_by = NULL, cancel_reason = NULL \
          WHERE id = ANY($1) AND status IN ('dead', 'cancelled') \
@@ -310,6 +311,12 @@ pub async fn retry_locked(tx: &mut PgConnection, ids: &[i64]) -> Result<u64, Que
     .fetch_all(&mut *tx)
     .await?;
     let retried = kinds.len() as u64;
+    // Jobs of ordered kinds came back `held`: each key's next job is
+    // released (migration 0115).
+    sqlx::query("SELECT almanac.release_held($1)")
+        .bind(ids)
+        .execute(&mut *tx)
+        .await?;
     // Workers of these kinds wake now rather than at their next poll.
     kinds.sort();
     kinds.dedup();

@@ -1,6 +1,7 @@
 //! Enqueueing: the Rust face of `almanac.enqueue_many`, the SQL function
 //! that is the one implementation of enqueue (every language calls it;
-//! migrations/0114_enqueue_function.sql, docs/enqueue.md).
+//! migrations/0114_enqueue_function.sql, 0115 for its last two parameters,
+//! docs/enqueue.md).
 //!
 //! What an enqueue guarantees: it runs in the caller's transaction, so the
 //! job commits or rolls back with the caller's own rows; a job with an
@@ -39,6 +40,13 @@ pub struct NewJob {
     /// higher is claimed first (see [`super::CLAIM_SQL`] for the bound on
     /// how long a lower one can wait).
     pub priority: i16,
+    /// Jobs of one ordered kind with the same key run one at a time, in
+    /// enqueue order ([`super::ordering`]). `None` on an ordered kind with
+    /// a key pointer takes the payload's value there.
+    pub ordering_key: Option<String>,
+    /// The W3C `traceparent` of the request that enqueued the job: the
+    /// job's spans join that trace.
+    pub traceparent: Option<String>,
 }
 
 /// The highest job priority.
@@ -55,7 +63,19 @@ impl NewJob {
             schedule: None,
             logical_run: None,
             priority: 0,
+            ordering_key: None,
+            traceparent: None,
         }
+    }
+
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    pub fn traceparent(mut self, traceparent: impl Into<String>) -> Self {
+        self.traceparent = Some(traceparent.into());
+        self
     }
 
     pub fn priority(mut self, priority: i16) -> Self {
@@ -107,6 +127,14 @@ impl NewJob {
                 "the idempotency key is empty; omit it or give a value".into(),
             ));
         }
+        if self.ordering_key.as_deref() == Some("") {
+            return Err(QueueError::Invalid(
+                "the ordering key is empty; omit it or give a value".into(),
+            ));
+        }
+        if let Some(tp) = self.traceparent.as_deref() {
+            check_traceparent(tp)?;
+        }
         Ok(())
     }
 }
@@ -118,6 +146,34 @@ pub fn check_priority(priority: i16) -> Result<(), QueueError> {
     } else {
         Err(QueueError::Invalid(format!(
             "priority is {priority}; it must be 0 (the default) to {MAX_PRIORITY}, higher first"
+        )))
+    }
+}
+
+/// A W3C trace context `traceparent` as `almanac.traceparent_ok` takes it
+/// (version 00 form, lowercase hex, ids not all zeros); refused with the
+/// function's own message otherwise.
+pub fn check_traceparent(tp: &str) -> Result<(), QueueError> {
+    let parts: Vec<&str> = tp.split('-').collect();
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let ok = parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2);
+    if ok {
+        Ok(())
+    } else {
+        Err(QueueError::Invalid(format!(
+            "traceparent '{tp}' is not a W3C trace context header (00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, \
+             lowercase, ids not all zeros); pass the header your tracer formats, or omit it"
         )))
     }
 }
@@ -190,6 +246,8 @@ pub async fn enqueue_many(
     let priorities = column(jobs, |j| (j.priority != 0).then_some(i32::from(j.priority)));
     let schedules = column(jobs, |j| j.schedule.as_deref());
     let runs = column(jobs, |j| j.logical_run.as_deref());
+    let ordering_keys = column(jobs, |j| j.ordering_key.as_deref());
+    let traceparents = column(jobs, |j| j.traceparent.as_deref());
 
     let rows: Vec<(i64, i64, bool)> = sqlx::query_as(ENQUEUE_MANY_SQL)
         .bind(&kinds)
@@ -200,12 +258,14 @@ pub async fn enqueue_many(
         .bind(&priorities)
         .bind(&schedules)
         .bind(&runs)
+        .bind(&ordering_keys)
+        .bind(&traceparents)
         .fetch_all(&mut *conn)
         .await
         .map_err(refusal)?;
     if rows.len() != jobs.len() {
         return Err(QueueError::Invalid(format!(
-            "almanac.enqueue_many returned {} rows for {} jobs; is the database's migration 0114 the one this build carries?",
+            "almanac.enqueue_many returned {} rows for {} jobs; is the database's migration 0115 the one this build carries?",
             rows.len(),
             jobs.len()
         )));
@@ -225,10 +285,13 @@ pub async fn enqueue_many(
 /// The call [`enqueue_many`] makes; the rows come back in input order.
 pub const ENQUEUE_MANY_SQL: &str = "SELECT ord, id, created FROM almanac.enqueue_many(\
     kinds => $1, payloads => $2, run_ats => $3, max_attempts => $4, idempotency_keys => $5, \
-    priorities => $6, schedules => $7, logical_runs => $8) ORDER BY ord";
+    priorities => $6, schedules => $7, logical_runs => $8, ordering_keys => $9, \
+    traceparents => $10) ORDER BY ord";
 
 /// The function's refusals, as the queue's own: an invalid value (SQLSTATE
-/// 22023) is [`QueueError::Invalid`] with the function's message. Anything
+/// 22023) or an ordered job enqueued under an isolation level it cannot be
+/// (0A000, `almanac.jobs_take_route`) is [`QueueError::Invalid`] with the
+/// function's message. Anything
 /// else stays a database error with its SQLSTATE, the function's 40001 (a
 /// key whose holder vanished under the call) included: a caller that
 /// retries serialization failures retries it, as it should.
@@ -237,7 +300,7 @@ fn refusal(err: sqlx::Error) -> QueueError {
         let raised_by_function = db
             .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
             .is_some_and(|pg| pg.routine() == Some("exec_stmt_raise"));
-        if raised_by_function && db.code().as_deref() == Some("22023") {
+        if raised_by_function && matches!(db.code().as_deref(), Some("22023" | "0A000")) {
             return QueueError::Invalid(db.message().to_string());
         }
     }

@@ -696,6 +696,9 @@ pub struct ReapReport {
     /// Expired leases of jobs an operator asked to cancel, now `cancelled`
     /// (their holder is gone, or stalled past its lease).
     pub cancelled: u64,
+    /// Held jobs made ready by the sweep of ordering keys whose head ended
+    /// while the key was busy ([`super::ordering::recheck`]).
+    pub released: u64,
 }
 
 /// Takes back at most `limit` expired leases in one short statement; rows

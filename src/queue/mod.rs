@@ -27,6 +27,12 @@
 //! reaper) writes `cancelled` instead of `ready` or `dead`; only `complete`
 //! keeps `done`.
 //!
+//! **Held.** A job of an ordered kind enqueued while an earlier job of its
+//! ordering key is ready, running or (when the kind halts on one) dead is
+//! `held`: not claimable, no outbox row. When that earlier job ends, the
+//! key's lowest held job becomes `ready` ([`ordering`] states the
+//! guarantee). A cancel makes a held job `cancelled` at once.
+//!
 //! **The fence.** Claiming sets `status = 'running'`, `attempts + 1`, a fresh
 //! random `lease_token` per job and `lease_until`. Every later write by the
 //! claimant — complete, fail, heartbeat — names that token:
@@ -51,6 +57,7 @@ mod enqueue;
 mod interrupt;
 mod lease;
 pub mod limits;
+pub mod ordering;
 mod retention;
 pub mod routing;
 
@@ -64,7 +71,8 @@ pub use admin::{
 };
 pub use backoff::Backoff;
 pub use enqueue::{
-    check_priority, enqueue, enqueue_many, Enqueued, NewJob, MAX_PRIORITY, NOTIFY_CHANNEL,
+    check_priority, check_traceparent, enqueue, enqueue_many, Enqueued, NewJob, MAX_PRIORITY,
+    NOTIFY_CHANNEL,
 };
 pub use interrupt::{cancel_requests, snooze, CancelRequest};
 pub use lease::{
@@ -97,15 +105,19 @@ pub enum JobStatus {
     /// Stopped by an operator (`almanac jobs cancel`); counted apart from
     /// `dead`, and never run again unless retried.
     Cancelled,
+    /// Of an ordered kind, waiting for the earlier jobs of its ordering key
+    /// ([`ordering`]); made `ready` when the one before it ends.
+    Held,
 }
 
 impl JobStatus {
-    pub const ALL: [JobStatus; 5] = [
+    pub const ALL: [JobStatus; 6] = [
         Self::Ready,
         Self::Running,
         Self::Done,
         Self::Dead,
         Self::Cancelled,
+        Self::Held,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -115,6 +127,7 @@ impl JobStatus {
             Self::Done => "done",
             Self::Dead => "dead",
             Self::Cancelled => "cancelled",
+            Self::Held => "held",
         }
     }
 }
@@ -133,7 +146,7 @@ impl std::str::FromStr for JobStatus {
             .find(|status| status.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown status `{s}`; expected one of ready, running, done, dead, cancelled"
+                    "unknown status `{s}`; expected one of ready, running, done, dead, cancelled, held"
                 )
             })
     }
@@ -169,6 +182,13 @@ pub struct Job {
     pub cancel_reason: Option<String>,
     /// 0 to 9, higher claimed first within its kind.
     pub priority: i16,
+    /// Of an ordered kind: the jobs with this key run one at a time, in
+    /// enqueue order ([`ordering`]).
+    #[sqlx(default)]
+    pub ordering_key: Option<String>,
+    /// The W3C traceparent the job was enqueued with.
+    #[sqlx(default)]
+    pub traceparent: Option<String>,
 }
 
 impl Job {

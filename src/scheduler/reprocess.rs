@@ -218,7 +218,7 @@ WITH planned AS (
     SELECT * FROM unnest($2::text[], $3::text[]) AS p(logical_run, key)
 ), active AS (
     SELECT DISTINCT logical_run FROM almanac.jobs
-     WHERE schedule = $1 AND status IN ('ready', 'running') AND logical_run = ANY($2)
+     WHERE schedule = $1 AND (status IN ('ready', 'running') OR status = 'held') AND logical_run = ANY($2)
 ), chosen AS MATERIALIZED (
     SELECT r.logical_run, r.fire_at, p.key, coalesce(j.status, 'deleted') AS was,
            nextval('almanac.jobs_id_seq') AS id
@@ -252,7 +252,7 @@ SELECT was, count(*) FROM relinked
 /// partial index of unfinished scheduled jobs and the ledger's key.
 pub const ACTIVE_IN_RANGE: &str = r#"
 SELECT count(*) FROM almanac.jobs j
- WHERE j.schedule = $1 AND j.status IN ('ready', 'running')
+ WHERE j.schedule = $1 AND j.(status IN ('ready', 'running') OR status = 'held')
    AND EXISTS (SELECT 1 FROM almanac.schedule_runs r
                 WHERE r.schedule = $1 AND r.logical_run = j.logical_run
                   AND r.fire_at >= $2 AND r.fire_at < $3)

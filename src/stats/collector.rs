@@ -25,7 +25,7 @@ use crate::metrics::{
 use crate::queue::QueueError;
 use crate::role::{InvalidSetting, Period, Periodic, RoleName, Settings, Valid};
 
-const STATUSES: [&str; 4] = ["ready", "running", "dead", "cancelled"];
+const STATUSES: [&str; 5] = ["ready", "running", "held", "dead", "cancelled"];
 
 #[derive(Debug, Clone)]
 pub struct CollectorConfig {

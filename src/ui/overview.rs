@@ -38,13 +38,14 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
             .map(|c| c.count)
             .sum()
     };
-    // kind -> [ready, running, dead]
-    let mut kinds: BTreeMap<&str, [i64; 3]> = BTreeMap::new();
+    // kind -> [ready, running, dead, held]
+    let mut kinds: BTreeMap<&str, [i64; 4]> = BTreeMap::new();
     for c in &snap.jobs.by_kind_status {
         let slot = match c.status {
             JobStatus::Ready => 0,
             JobStatus::Running => 1,
             JobStatus::Dead => 2,
+            JobStatus::Held => 3,
             JobStatus::Done | JobStatus::Cancelled => continue,
         };
         kinds.entry(c.kind.as_str()).or_default()[slot] += c.count;
@@ -146,9 +147,9 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 p .muted { "No ready, running or dead jobs." }
             } @else {
                 div .scroll { table #kinds {
-                    thead { tr { th { "kind" } th .num { "ready" } th .num { "running" } th .num { "dead" } th .num { "oldest due" } @if ui.actions { th {} } } }
+                    thead { tr { th { "kind" } th .num { "ready" } th .num { "running" } th .num { "dead" } th .num title="held behind an earlier job of their ordering key" { "held" } th .num { "oldest due" } @if ui.actions { th {} } } }
                     tbody {
-                        @for (kind, [ready, running, dead]) in &kinds {
+                        @for (kind, [ready, running, dead, held]) in &kinds {
                             tr data-kind=(kind) {
                                 td { a href={"/jobs?kind=" (enc(kind))} { (kind) }
                                     @if snap.paused.iter().any(|p| p.kind == *kind || p.kind == "*") { " " span .badge .paused { "paused" } }
@@ -158,6 +159,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                                 td .num data-status="dead" {
                                     @if *dead > 0 { a href={"/dead?kind=" (enc(kind))} { (dead) } } @else { "0" }
                                 }
+                                td .num data-status="held" { (held) }
                                 td .num { @match oldest.get(kind) { Some(s) => (age(*s)), None => (dash()) } }
                                 @if ui.actions { td .actions {
                                     @if snap.paused.iter().any(|p| p.kind == *kind) { (resume_form(&ui, kind)) }

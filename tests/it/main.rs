@@ -36,6 +36,7 @@ mod limits;
 mod limits_cli;
 mod migration;
 mod ops;
+mod ordering;
 mod pause;
 mod priority;
 mod queue;
