@@ -488,14 +488,89 @@ $$;
 
 
 --
--- Name: jobs_release_key(); Type: FUNCTION; Schema: almanac; Owner: -
+-- Name: jobs_note_ended_key(); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
-CREATE FUNCTION almanac.jobs_release_key() RETURNS trigger
+CREATE FUNCTION almanac.jobs_note_ended_key() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    PERFORM almanac.release_or_note(OLD.kind, OLD.ordering_key);
+    PERFORM set_config('almanac.ended_keys',
+                       coalesce(current_setting('almanac.ended_keys', true), '')
+                       || json_build_array(OLD.kind, OLD.ordering_key)::text || E'\n', true);
+    RETURN NULL;
+END $$;
+
+
+--
+-- Name: jobs_release_keys(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.jobs_release_keys() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_ended text := current_setting('almanac.ended_keys', true);
+    r record;
+    v_kinds text[] := '{}';
+    v_keys text[] := '{}';
+    v_locked boolean;
+    v_timeout text;
+    v_kind text;
+BEGIN
+    IF v_ended IS NULL OR v_ended = '' THEN
+        RETURN NULL;
+    END IF;
+    PERFORM set_config('almanac.ended_keys', '', true);
+    FOR r IN
+        SELECT DISTINCT k.e ->> 0 AS kind, k.e ->> 1 AS key
+        FROM unnest(string_to_array(rtrim(v_ended, E'\n'), E'\n')) AS t(line),
+             LATERAL (SELECT t.line::json AS e) AS k
+        ORDER BY 1, 2
+    LOOP
+        v_locked := pg_try_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.key));
+        IF NOT v_locked THEN
+            v_timeout := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', '50ms', true);
+            BEGIN
+                PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.key));
+                v_locked := true;
+            EXCEPTION WHEN lock_not_available THEN
+                v_locked := false;
+            END;
+            PERFORM set_config('lock_timeout', v_timeout, true);
+        END IF;
+        IF v_locked AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind)) THEN
+            v_kinds := v_kinds || r.kind;
+            v_keys := v_keys || r.key;
+        ELSE
+            INSERT INTO almanac.ordering_recheck (kind, ordering_key) VALUES (r.kind, r.key)
+            ON CONFLICT DO NOTHING;
+        END IF;
+    END LOOP;
+    FOR v_kind IN
+        WITH released AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'ready',
+                route = coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = j.kind), 'db')
+            WHERE j.id IN (
+                SELECT (SELECT h.id FROM almanac.jobs AS h
+                        WHERE h.kind = k.kind AND h.ordering_key = k.key AND h.status = 'held'
+                        ORDER BY h.id LIMIT 1)
+                FROM unnest(v_kinds, v_keys) AS k(kind, key)
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM almanac.jobs AS b
+                    WHERE b.kind = k.kind AND b.ordering_key = k.key
+                      AND b.status IN ('ready', 'running', 'dead')
+                      AND (b.status <> 'dead'
+                           OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                                        WHERE o.kind = k.kind), false))))
+              AND j.status = 'held'
+            RETURNING j.kind)
+        SELECT DISTINCT released.kind FROM released
+    LOOP
+        PERFORM pg_notify('almanac_jobs', v_kind);
+    END LOOP;
     RETURN NULL;
 END $$;
 
@@ -538,10 +613,11 @@ BEGIN
                 USING ERRCODE = 'feature_not_supported';
         END IF;
         PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(NEW.kind, NEW.ordering_key));
-        IF almanac.key_blocked(NEW.kind, NEW.ordering_key, v_halt, NULL)
-           OR EXISTS (SELECT 1 FROM almanac.jobs AS j
-                      WHERE j.kind = NEW.kind AND j.ordering_key = NEW.ordering_key
-                        AND j.status = 'held') THEN
+        -- Each status is a seek in jobs_ordering_status_idx.
+        IF EXISTS (SELECT 1 FROM almanac.jobs AS j
+                   WHERE j.kind = NEW.kind AND j.ordering_key = NEW.ordering_key
+                     AND j.status IN ('ready', 'running', 'held', 'dead')
+                     AND (j.status <> 'dead' OR v_halt)) THEN
             NEW.status := 'held';
         END IF;
     END IF;
@@ -563,22 +639,6 @@ BEGIN
     END IF;
     RETURN NULL;
 END $$;
-
-
---
--- Name: key_blocked(text, text, boolean, bigint); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.key_blocked(p_kind text, p_key text, p_halt boolean, p_except bigint) RETURNS boolean
-    LANGUAGE sql STABLE
-    AS $$
-    SELECT EXISTS (
-        SELECT 1 FROM almanac.jobs AS j
-        WHERE j.kind = p_kind AND j.ordering_key = p_key
-          AND j.status IN ('ready', 'running', 'dead')
-          AND (j.status <> 'dead' OR p_halt)
-          AND j.id IS DISTINCT FROM p_except)
-$$;
 
 
 --
@@ -641,6 +701,7 @@ BEGIN
         ORDER BY j.kind, j.ordering_key
     LOOP
         PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.ordering_key));
+        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind));
         IF almanac.release_key(r.kind, r.ordering_key) IS NOT NULL THEN
             v_released := v_released + 1;
         END IF;
@@ -659,55 +720,25 @@ CREATE FUNCTION almanac.release_key(p_kind text, p_key text) RETURNS bigint
 DECLARE
     v_id bigint;
 BEGIN
-    IF almanac.key_blocked(p_kind, p_key,
-                           coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
-                                     WHERE o.kind = p_kind), false),
-                           NULL) THEN
-        RETURN NULL;
-    END IF;
-    UPDATE almanac.jobs AS j SET status = 'ready', route = almanac.route_of(p_kind)
+    UPDATE almanac.jobs AS j
+    SET status = 'ready',
+        route = coalesce((SELECT r.mode FROM almanac.routes AS r WHERE r.kind = p_kind), 'db')
     WHERE j.id = (SELECT h.id FROM almanac.jobs AS h
                   WHERE h.kind = p_kind AND h.ordering_key = p_key AND h.status = 'held'
                   ORDER BY h.id LIMIT 1)
       AND j.status = 'held'
+      AND NOT EXISTS (
+          SELECT 1 FROM almanac.jobs AS b
+          WHERE b.kind = p_kind AND b.ordering_key = p_key
+            AND b.status IN ('ready', 'running', 'dead')
+            AND (b.status <> 'dead'
+                 OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                              WHERE o.kind = p_kind), false)))
     RETURNING j.id INTO v_id;
     IF v_id IS NOT NULL THEN
         PERFORM pg_notify('almanac_jobs', p_kind);
     END IF;
     RETURN v_id;
-END $$;
-
-
---
--- Name: release_or_note(text, text); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.release_or_note(p_kind text, p_key text) RETURNS void
-    LANGUAGE plpgsql
-    AS $$
-DECLARE
-    v_lock bigint := almanac.ordering_lock_id(p_kind, p_key);
-    v_locked boolean;
-    v_timeout text;
-BEGIN
-    v_locked := pg_try_advisory_xact_lock(v_lock);
-    IF NOT v_locked THEN
-        v_timeout := current_setting('lock_timeout');
-        PERFORM set_config('lock_timeout', '50ms', true);
-        BEGIN
-            PERFORM pg_advisory_xact_lock(v_lock);
-            v_locked := true;
-        EXCEPTION WHEN lock_not_available THEN
-            v_locked := false;
-        END;
-        PERFORM set_config('lock_timeout', v_timeout, true);
-    END IF;
-    IF v_locked AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kind)) THEN
-        PERFORM almanac.release_key(p_kind, p_key);
-    ELSE
-        INSERT INTO almanac.ordering_recheck (kind, ordering_key) VALUES (p_kind, p_key)
-        ON CONFLICT DO NOTHING;
-    END IF;
 END $$;
 
 
@@ -1284,10 +1315,10 @@ CREATE INDEX jobs_done_finished_idx ON almanac.jobs USING btree (finished_at) WH
 
 
 --
--- Name: jobs_ordering_idx; Type: INDEX; Schema: almanac; Owner: -
+-- Name: jobs_ordering_status_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
-CREATE INDEX jobs_ordering_idx ON almanac.jobs USING btree (kind, ordering_key, id) WHERE ((ordering_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'running'::text, 'held'::text, 'dead'::text])));
+CREATE INDEX jobs_ordering_status_idx ON almanac.jobs USING btree (kind, ordering_key, status, id) WHERE ((ordering_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'running'::text, 'held'::text, 'dead'::text])));
 
 
 --
@@ -1417,17 +1448,24 @@ CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (sch
 
 
 --
--- Name: jobs jobs_release_key; Type: TRIGGER; Schema: almanac; Owner: -
+-- Name: jobs jobs_note_ended_key; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_release_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_release_key();
+CREATE TRIGGER jobs_note_ended_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
 
 
 --
--- Name: jobs jobs_release_key_on_delete; Type: TRIGGER; Schema: almanac; Owner: -
+-- Name: jobs jobs_note_ended_key_on_delete; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_release_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])))) EXECUTE FUNCTION almanac.jobs_release_key();
+CREATE TRIGGER jobs_note_ended_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
+
+
+--
+-- Name: jobs jobs_release_keys; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_release_keys AFTER DELETE OR UPDATE OF status ON almanac.jobs FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_release_keys();
 
 
 --

@@ -8,7 +8,8 @@
 //! - **runtime**: the worker runtime burning down `--jobs` no-op jobs with its
 //!   default settings, the same under limits that never bind (each kind
 //!   of limit alone, and all three at once: what a limit costs when it
-//!   holds nothing back), and with tuned ones (`--tuned-*`).
+//!   holds nothing back), over 200 ordering keys beside the same jobs
+//!   unordered ([`ordered`]), and with tuned ones (`--tuned-*`).
 //! - **latency**: enqueue commit to handler start, jobs enqueued one at a time
 //!   into an idle queue, with LISTEN/NOTIFY and with polling only.
 //! - **exec**: the shell-command handler running `true`.
@@ -38,6 +39,7 @@ use crate::worker::exec::ExecHandler;
 use crate::worker::{JobContext, Worker, WorkerConfig};
 
 mod enqueue;
+mod ordered;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -85,6 +87,7 @@ struct Report {
     /// Each case's throughput over the run without limits beside it: the
     /// median of [`LIMIT_ROUNDS`] pairs.
     runtime_limited_ratio: BTreeMap<String, f64>,
+    runtime_ordered: ordered::Report,
     runtime_tuned_jobs_per_s: f64,
     tuned_settings: String,
     latency_listen_ms: Percentiles,
@@ -161,6 +164,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     // The same burn-down under limits that do not bind, side by side:
     // what a limit costs when it holds nothing back.
     let (limited, limited_ratio) = limited_burns(pool, args.jobs).await?;
+    let ordered = ordered::measure(pool, args.jobs).await?;
 
     vacuum(pool).await?;
     let tuned_config = WorkerConfig {
@@ -194,6 +198,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
         runtime_default_jobs_per_s: default,
         runtime_limited_jobs_per_s: limited,
         runtime_limited_ratio: limited_ratio,
+        runtime_ordered: ordered,
         runtime_tuned_jobs_per_s: tuned,
         tuned_settings,
         latency_listen_ms: listen,
@@ -442,7 +447,9 @@ async fn timed_burn(
         // taken from the database being measured.
         let left: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'ready')
-                 OR EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'running')",
+                 OR EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'running')
+                 OR EXISTS (SELECT 1 FROM almanac.jobs
+                             WHERE status = 'held' AND ordering_key IS NOT NULL)",
         )
         .fetch_one(pool)
         .await?;
@@ -560,6 +567,7 @@ fn print_table(r: &Report) {
             r.runtime_limited_ratio[case]
         );
     }
+    ordered::print_table(&r.runtime_ordered);
     println!(
         "{:<44} {:>14.0}  ({:.2} of best raw)",
         "worker runtime, tuned",
