@@ -115,10 +115,20 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             };
             let actor = Actor::os_user();
             let job = control::jobs::retry(&mut *pool.acquire().await?, &actor, id).await?;
-            println!(
-                "job {} ({}) is ready again with {} attempts",
-                job.id, job.kind, job.max_attempts
-            );
+            if job.status == JobStatus::Held {
+                println!(
+                    "job {} ({}) has {} attempts again; it is held until the job of its ordering key `{}` that runs now ends, then runs before the key's later jobs",
+                    job.id,
+                    job.kind,
+                    job.max_attempts,
+                    job.ordering_key.as_deref().unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "job {} ({}) is ready again with {} attempts",
+                    job.id, job.kind, job.max_attempts
+                );
+            }
         }
         JobsCommand::Cancel {
             id,
@@ -260,6 +270,8 @@ fn print_job(job: &Job) {
     println!("lease until:     {}", time(job.lease_until));
     println!("idempotency key: {}", job.effective_idempotency_key());
     println!("route:           {}", job.route);
+    println!("ordering key:    {}", opt(&job.ordering_key));
+    println!("traceparent:     {}", opt(&job.traceparent));
     println!("schedule:        {}", opt(&job.schedule));
     println!("logical run:     {}", opt(&job.logical_run));
     println!("created at:      {}", job.created_at.to_rfc3339());
