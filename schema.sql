@@ -511,66 +511,29 @@ CREATE FUNCTION almanac.jobs_release_keys() RETURNS trigger
     AS $$
 DECLARE
     v_ended text := current_setting('almanac.ended_keys', true);
-    r record;
-    v_kinds text[] := '{}';
-    v_keys text[] := '{}';
-    v_locked boolean;
-    v_timeout text;
-    v_kind text;
+    v_kinds text[];
+    v_keys text[];
+    v_got boolean[];
 BEGIN
     IF v_ended IS NULL OR v_ended = '' THEN
         RETURN NULL;
     END IF;
     PERFORM set_config('almanac.ended_keys', '', true);
-    FOR r IN
-        SELECT DISTINCT k.e ->> 0 AS kind, k.e ->> 1 AS key
-        FROM unnest(string_to_array(rtrim(v_ended, E'\n'), E'\n')) AS t(line),
-             LATERAL (SELECT t.line::json AS e) AS k
-        ORDER BY 1, 2
-    LOOP
-        v_locked := pg_try_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.key));
-        IF NOT v_locked THEN
-            v_timeout := current_setting('lock_timeout');
-            PERFORM set_config('lock_timeout', '50ms', true);
-            BEGIN
-                PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.key));
-                v_locked := true;
-            EXCEPTION WHEN lock_not_available THEN
-                v_locked := false;
-            END;
-            PERFORM set_config('lock_timeout', v_timeout, true);
-        END IF;
-        IF v_locked AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind)) THEN
-            v_kinds := v_kinds || r.kind;
-            v_keys := v_keys || r.key;
-        ELSE
-            INSERT INTO almanac.ordering_recheck (kind, ordering_key) VALUES (r.kind, r.key)
-            ON CONFLICT DO NOTHING;
-        END IF;
-    END LOOP;
-    FOR v_kind IN
-        WITH released AS (
-            UPDATE almanac.jobs AS j
-            SET status = 'ready',
-                route = coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = j.kind), 'db')
-            WHERE j.id IN (
-                SELECT (SELECT h.id FROM almanac.jobs AS h
-                        WHERE h.kind = k.kind AND h.ordering_key = k.key AND h.status = 'held'
-                        ORDER BY h.id LIMIT 1)
-                FROM unnest(v_kinds, v_keys) AS k(kind, key)
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM almanac.jobs AS b
-                    WHERE b.kind = k.kind AND b.ordering_key = k.key
-                      AND b.status IN ('ready', 'running', 'dead')
-                      AND (b.status <> 'dead'
-                           OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
-                                        WHERE o.kind = k.kind), false))))
-              AND j.status = 'held'
-            RETURNING j.kind)
-        SELECT DISTINCT released.kind FROM released
-    LOOP
-        PERFORM pg_notify('almanac_jobs', v_kind);
-    END LOOP;
+    SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
+    INTO v_kinds, v_keys
+    FROM (SELECT DISTINCT e ->> 0 AS kind, e ->> 1 AS key
+          FROM unnest(string_to_array(rtrim(v_ended, E'\n'), E'\n')) AS l(line),
+               LATERAL (SELECT l.line::json AS e) AS j) AS k;
+    v_got := almanac.lock_keys(v_kinds, v_keys, clock_timestamp() + interval '50 milliseconds');
+    INSERT INTO almanac.ordering_recheck (kind, ordering_key)
+    SELECT k.kind, k.key FROM unnest(v_kinds, v_keys, v_got) AS k(kind, key, got)
+    WHERE NOT k.got
+    ON CONFLICT DO NOTHING;
+    PERFORM almanac.release_keys(
+        ARRAY(SELECT k.kind FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i),
+        ARRAY(SELECT k.key FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i));
     RETURN NULL;
 END $$;
 
@@ -604,7 +567,12 @@ BEGIN
         RETURN NEW;
     END IF;
     IF NEW.ordering_key IS NULL AND v_path IS NOT NULL THEN
-        NEW.ordering_key := NEW.payload #>> v_path;
+        NEW.ordering_key := nullif(NEW.payload #>> v_path, '');
+    END IF;
+    IF octet_length(NEW.ordering_key) > 512 THEN
+        RAISE EXCEPTION 'the ordering key of a job of kind % is % bytes long; at most 512',
+            quote_literal(NEW.kind), octet_length(NEW.ordering_key)
+            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF NEW.ordering_key IS NOT NULL AND NEW.status = 'ready' THEN
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -613,11 +581,18 @@ BEGIN
                 USING ERRCODE = 'feature_not_supported';
         END IF;
         PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(NEW.kind, NEW.ordering_key));
-        -- Each status is a seek in jobs_ordering_status_idx.
         IF EXISTS (SELECT 1 FROM almanac.jobs AS j
                    WHERE j.kind = NEW.kind AND j.ordering_key = NEW.ordering_key
-                     AND j.status IN ('ready', 'running', 'held', 'dead')
+                     AND j.status IN ('ready', 'running', 'dead')
                      AND (j.status <> 'dead' OR v_halt)) THEN
+            NEW.status := 'held';
+        ELSIF EXISTS (SELECT 1 FROM almanac.jobs AS j
+                      WHERE j.kind = NEW.kind AND j.ordering_key = NEW.ordering_key
+                        AND j.status = 'held') THEN
+            -- Held jobs with nothing before them (their key's release is
+            -- noted, waiting for the reaper): the first runs now, this one
+            -- after them.
+            PERFORM almanac.release_keys(ARRAY[NEW.kind], ARRAY[NEW.ordering_key]);
             NEW.status := 'held';
         END IF;
     END IF;
@@ -642,6 +617,44 @@ END $$;
 
 
 --
+-- Name: lock_keys(text[], text[], timestamp with time zone); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.lock_keys(p_kinds text[], p_keys text[], p_until timestamp with time zone) RETURNS boolean[]
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_got boolean[];
+    v_timeout text := current_setting('lock_timeout');
+    v_left interval;
+    i integer;
+BEGIN
+    v_got := ARRAY(SELECT pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || k.kind))
+                          AND pg_try_advisory_xact_lock(almanac.ordering_lock_id(k.kind, k.key))
+                   FROM unnest(p_kinds, p_keys) WITH ORDINALITY AS k(kind, key, i)
+                   ORDER BY k.i);
+    FOR i IN 1 .. coalesce(cardinality(v_got), 0) LOOP
+        CONTINUE WHEN v_got[i];
+        v_left := p_until - clock_timestamp();
+        CONTINUE WHEN v_left <= interval '0'
+                   OR NOT pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kinds[i]));
+        PERFORM set_config('lock_timeout',
+                           greatest(1, floor(extract(epoch FROM v_left) * 1000))::bigint || 'ms', true);
+        -- A block of its own, so that the timeout can be caught; it writes
+        -- nothing, so it costs no subtransaction id.
+        BEGIN
+            PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(p_kinds[i], p_keys[i]));
+            v_got[i] := true;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        PERFORM set_config('lock_timeout', v_timeout, true);
+    END LOOP;
+    RETURN v_got;
+END $$;
+
+
+--
 -- Name: ordering_lock_id(text, text); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -660,27 +673,33 @@ CREATE FUNCTION almanac.recheck_keys(p_limit integer) RETURNS integer
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    r record;
-    v_released integer := 0;
+    v_kinds text[];
+    v_keys text[];
+    v_got boolean[];
 BEGIN
-    FOR r IN
+    WITH taken AS (
         DELETE FROM almanac.ordering_recheck AS c
         WHERE (c.kind, c.ordering_key) IN (
             SELECT n.kind, n.ordering_key FROM almanac.ordering_recheck AS n
             ORDER BY n.noted_at LIMIT p_limit FOR UPDATE SKIP LOCKED)
-        RETURNING c.kind, c.ordering_key
-    LOOP
-        IF pg_try_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.ordering_key))
-           AND pg_try_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind)) THEN
-            IF almanac.release_key(r.kind, r.ordering_key) IS NOT NULL THEN
-                v_released := v_released + 1;
-            END IF;
-        ELSE
-            INSERT INTO almanac.ordering_recheck (kind, ordering_key)
-            VALUES (r.kind, r.ordering_key) ON CONFLICT DO NOTHING;
-        END IF;
-    END LOOP;
-    RETURN v_released;
+        RETURNING c.kind, c.ordering_key)
+    SELECT array_agg(t.kind ORDER BY t.kind, t.ordering_key),
+           array_agg(t.ordering_key ORDER BY t.kind, t.ordering_key)
+    INTO v_kinds, v_keys
+    FROM taken AS t;
+    IF v_kinds IS NULL THEN
+        RETURN 0;
+    END IF;
+    v_got := almanac.lock_keys(v_kinds, v_keys, clock_timestamp() + interval '200 milliseconds');
+    INSERT INTO almanac.ordering_recheck (kind, ordering_key)
+    SELECT k.kind, k.key FROM unnest(v_kinds, v_keys, v_got) AS k(kind, key, got)
+    WHERE NOT k.got
+    ON CONFLICT DO NOTHING;
+    RETURN almanac.release_keys(
+        ARRAY(SELECT k.kind FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i),
+        ARRAY(SELECT k.key FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i));
 END $$;
 
 
@@ -692,21 +711,26 @@ CREATE FUNCTION almanac.release_held(p_ids bigint[]) RETURNS integer
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    r record;
-    v_released integer := 0;
+    v_kinds text[];
+    v_keys text[];
+    v_kind text;
+    i integer;
 BEGIN
-    FOR r IN
-        SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
-        WHERE j.id = ANY (p_ids) AND j.status = 'held'
-        ORDER BY j.kind, j.ordering_key
-    LOOP
-        PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(r.kind, r.ordering_key));
-        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || r.kind));
-        IF almanac.release_key(r.kind, r.ordering_key) IS NOT NULL THEN
-            v_released := v_released + 1;
-        END IF;
+    SELECT array_agg(k.kind ORDER BY k.kind, k.ordering_key),
+           array_agg(k.ordering_key ORDER BY k.kind, k.ordering_key)
+    INTO v_kinds, v_keys
+    FROM (SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
+          WHERE j.id = ANY (p_ids) AND j.status = 'held') AS k;
+    IF v_kinds IS NULL THEN
+        RETURN 0;
+    END IF;
+    FOR v_kind IN SELECT DISTINCT u FROM unnest(v_kinds) AS u ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || v_kind));
     END LOOP;
-    RETURN v_released;
+    FOR i IN 1 .. cardinality(v_kinds) LOOP
+        PERFORM pg_advisory_xact_lock(almanac.ordering_lock_id(v_kinds[i], v_keys[i]));
+    END LOOP;
+    RETURN almanac.release_keys(v_kinds, v_keys);
 END $$;
 
 
@@ -717,28 +741,67 @@ END $$;
 CREATE FUNCTION almanac.release_key(p_kind text, p_key text) RETURNS bigint
     LANGUAGE plpgsql
     AS $$
-DECLARE
-    v_id bigint;
 BEGIN
-    UPDATE almanac.jobs AS j
-    SET status = 'ready',
-        route = coalesce((SELECT r.mode FROM almanac.routes AS r WHERE r.kind = p_kind), 'db')
-    WHERE j.id = (SELECT h.id FROM almanac.jobs AS h
-                  WHERE h.kind = p_kind AND h.ordering_key = p_key AND h.status = 'held'
-                  ORDER BY h.id LIMIT 1)
-      AND j.status = 'held'
-      AND NOT EXISTS (
-          SELECT 1 FROM almanac.jobs AS b
-          WHERE b.kind = p_kind AND b.ordering_key = p_key
-            AND b.status IN ('ready', 'running', 'dead')
-            AND (b.status <> 'dead'
-                 OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
-                              WHERE o.kind = p_kind), false)))
-    RETURNING j.id INTO v_id;
-    IF v_id IS NOT NULL THEN
-        PERFORM pg_notify('almanac_jobs', p_kind);
+    IF almanac.release_keys(ARRAY[p_kind], ARRAY[p_key]) > 0 THEN
+        RETURN (SELECT j.id FROM almanac.jobs AS j
+                WHERE j.kind = p_kind AND j.ordering_key = p_key AND j.status = 'ready'
+                ORDER BY j.id LIMIT 1);
     END IF;
-    RETURN v_id;
+    RETURN NULL;
+END $$;
+
+
+--
+-- Name: release_keys(text[], text[]); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.release_keys(p_kinds text[], p_keys text[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_ids bigint[];
+    v_taken bigint[];
+    v_kind text;
+    v_released integer := 0;
+BEGIN
+    SELECT array_agg(c.id) INTO v_ids
+    FROM (SELECT (SELECT h.id FROM almanac.jobs AS h
+                  WHERE h.kind = k.kind AND h.ordering_key = k.key AND h.status = 'held'
+                  ORDER BY h.id LIMIT 1) AS id
+          FROM unnest(p_kinds, p_keys) AS k(kind, key)
+          WHERE NOT EXISTS (
+              SELECT 1 FROM almanac.jobs AS b
+              WHERE b.kind = k.kind AND b.ordering_key = k.key
+                AND b.status IN ('ready', 'running', 'dead')
+                AND (b.status <> 'dead'
+                     OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                                  WHERE o.kind = k.kind), false)))) AS c
+    WHERE c.id IS NOT NULL;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    v_taken := ARRAY(SELECT j.id FROM almanac.jobs AS j
+                     WHERE j.id = ANY (v_ids) AND j.status = 'held'
+                     ORDER BY j.id FOR UPDATE SKIP LOCKED);
+    IF cardinality(v_taken) < cardinality(v_ids) THEN
+        INSERT INTO almanac.ordering_recheck (kind, ordering_key)
+        SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
+        WHERE j.id = ANY (v_ids) AND j.id <> ALL (v_taken)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    FOR v_kind IN
+        WITH released AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'ready',
+                route = coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = j.kind), 'db')
+            WHERE j.id = ANY (v_taken)
+            RETURNING j.kind)
+        SELECT released.kind FROM released
+    LOOP
+        v_released := v_released + 1;
+        PERFORM pg_notify('almanac_jobs', v_kind);
+    END LOOP;
+    RETURN v_released;
 END $$;
 
 
@@ -765,6 +828,61 @@ CREATE FUNCTION almanac.route_of(p_kind text) RETURNS text
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || p_kind));
     RETURN coalesce((SELECT mode FROM almanac.routes WHERE kind = p_kind), 'db');
+END $$;
+
+
+--
+-- Name: sweep_held(text, text, integer); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.sweep_held(p_after_kind text, p_after_key text, p_limit integer, OUT last_kind text, OUT last_key text, OUT released integer) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_kinds text[];
+    v_keys text[];
+    v_got boolean[];
+    v_kind text := p_after_kind;
+    v_key text := p_after_key;
+    n integer := 0;
+BEGIN
+    v_kinds := '{}';
+    v_keys := '{}';
+    -- A loose walk: each step is one seek to the next key with a held job.
+    LOOP
+        EXIT WHEN n >= p_limit;
+        IF v_kind IS NULL THEN
+            SELECT j.kind, j.ordering_key INTO v_kind, v_key
+            FROM almanac.jobs AS j
+            WHERE j.ordering_key IS NOT NULL AND j.status = 'held'
+            ORDER BY j.kind, j.ordering_key
+            LIMIT 1;
+        ELSE
+            SELECT j.kind, j.ordering_key INTO v_kind, v_key
+            FROM almanac.jobs AS j
+            WHERE j.ordering_key IS NOT NULL AND j.status = 'held'
+              AND (j.kind, j.ordering_key) > (v_kind, v_key)
+            ORDER BY j.kind, j.ordering_key
+            LIMIT 1;
+        END IF;
+        EXIT WHEN NOT FOUND;
+        v_kinds := v_kinds || v_kind;
+        v_keys := v_keys || v_key;
+        n := n + 1;
+    END LOOP;
+    IF n < p_limit THEN
+        last_kind := NULL;
+        last_key := NULL;
+    ELSE
+        last_kind := v_kind;
+        last_key := v_key;
+    END IF;
+    v_got := almanac.lock_keys(v_kinds, v_keys, clock_timestamp());
+    released := almanac.release_keys(
+        ARRAY(SELECT k.kind FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i),
+        ARRAY(SELECT k.key FROM unnest(v_kinds, v_keys, v_got) WITH ORDINALITY AS k(kind, key, got, i)
+              WHERE k.got ORDER BY k.i));
 END $$;
 
 
@@ -839,7 +957,9 @@ BEGIN
     INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at, bytes)
     VALUES (
         j.id, r.sink, r.destination,
-        coalesce(j.ordering_key, j.idempotency_key, 'almanac:job:' || j.id),
+        CASE WHEN r.sink = 'kafka'
+             THEN coalesce(j.ordering_key, j.idempotency_key, 'almanac:job:' || j.id)
+             ELSE coalesce(j.idempotency_key, 'almanac:job:' || j.id) END,
         j.payload,
         jsonb_strip_nulls(jsonb_build_object(
             'almanac-job-id', j.id::text,
@@ -1451,14 +1571,14 @@ CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (sch
 -- Name: jobs jobs_note_ended_key; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_note_ended_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
+CREATE TRIGGER jobs_note_ended_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text, 'held'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
 
 
 --
 -- Name: jobs jobs_note_ended_key_on_delete; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_note_ended_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text])))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
+CREATE TRIGGER jobs_note_ended_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text, 'held'::text])))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
 
 
 --

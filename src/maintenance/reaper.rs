@@ -46,6 +46,8 @@ pub struct Reaper {
     pool: PgPool,
     config: Valid<ReaperConfig>,
     metrics: Metrics,
+    /// Where the walk of keys with held jobs goes on at the next sweep.
+    held_cursor: std::sync::Mutex<queue::ordering::SweepCursor>,
 }
 
 impl Reaper {
@@ -54,6 +56,7 @@ impl Reaper {
             pool,
             config,
             metrics: Metrics::new(),
+            held_cursor: std::sync::Mutex::new(None),
         }
     }
 
@@ -87,14 +90,21 @@ impl Periodic for Reaper {
                 break;
             }
         }
-        // Ordering keys whose head ended while the key was busy.
+        // Ordering keys whose head ended while the key was busy, then a
+        // slice of the walk over every key with held jobs (the safety net).
         loop {
             let released = queue::ordering::recheck(&self.pool, self.config.batch_size).await?;
             total.released += released;
             if (released as i64) < self.config.batch_size || shutdown.is_cancelled() {
-                return Ok(total);
+                break;
             }
         }
+        let cursor = self.held_cursor.lock().expect("not poisoned").clone();
+        let (next, released) =
+            queue::ordering::sweep(&self.pool, &cursor, self.config.batch_size).await?;
+        total.released += released;
+        *self.held_cursor.lock().expect("not poisoned") = next;
+        Ok(total)
     }
 
     fn log(&self, r: &ReapReport) {

@@ -261,3 +261,31 @@ pub async fn recheck<'e>(db: impl PgExecutor<'e>, limit: i64) -> Result<u64, sql
         .await?;
     Ok(released.max(0) as u64)
 }
+
+/// Where the reaper's walk of keys with held jobs stands: after this
+/// `(kind, key)`; `None` starts from the first.
+pub type SweepCursor = Option<(String, String)>;
+
+/// The safety net ([`recheck`] is the path): walks up to `limit` keys with
+/// held jobs after `cursor` and releases those that nothing stands before
+/// (their locks tried, never waited for). Returns where the next walk
+/// starts (`None` once this one reached the end) and how many jobs it made
+/// ready.
+pub async fn sweep<'e>(
+    db: impl PgExecutor<'e>,
+    cursor: &SweepCursor,
+    limit: i64,
+) -> Result<(SweepCursor, u64), sqlx::Error> {
+    let (kind, key) = match cursor {
+        Some((kind, key)) => (Some(kind.as_str()), Some(key.as_str())),
+        None => (None, None),
+    };
+    let (last_kind, last_key, released): (Option<String>, Option<String>, i32) =
+        sqlx::query_as("SELECT last_kind, last_key, released FROM almanac.sweep_held($1, $2, $3)")
+            .bind(kind)
+            .bind(key)
+            .bind(limit.clamp(1, i64::from(i32::MAX)) as i32)
+            .fetch_one(db)
+            .await?;
+    Ok((last_kind.zip(last_key), released.max(0) as u64))
+}

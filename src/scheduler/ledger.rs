@@ -289,7 +289,7 @@ pub async fn record(
     if batch.is_empty() {
         return Ok(Recorded::default());
     }
-    let mut tx = conn.begin().await?;
+    let mut tx = super::begin(&mut *conn).await?;
     let report = record_in(&mut tx, batch, overlap, emit_skipped).await?;
     tx.commit().await?;
     Ok(report)

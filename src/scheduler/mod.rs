@@ -56,6 +56,22 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+/// Begins one of the scheduler's transactions: READ COMMITTED whatever the
+/// database's default, since a job of an ordered kind can only be enqueued
+/// so ([`crate::queue::ordering`]) and a schedule may emit one. On a
+/// connection already in a transaction, a savepoint of it.
+pub(crate) async fn begin(
+    conn: &mut sqlx::PgConnection,
+) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, sqlx::Error> {
+    use sqlx::Connection as _;
+    if conn.is_in_transaction() {
+        conn.begin().await
+    } else {
+        conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+    }
+}
+
 use crate::metrics::Metrics;
 use crate::retry::Retry;
 use crate::role::{InvalidSetting, Role, RoleName, Settings, Valid};

@@ -55,7 +55,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Connection, PgConnection};
+use sqlx::PgConnection;
 
 use super::backfill::{self, BackfillError, BackfillReport, Range};
 use super::ledger::{self, LedgerError, Recorded};
@@ -252,7 +252,7 @@ SELECT was, count(*) FROM relinked
 /// partial index of unfinished scheduled jobs and the ledger's key.
 pub const ACTIVE_IN_RANGE: &str = r#"
 SELECT count(*) FROM almanac.jobs j
- WHERE j.schedule = $1 AND j.(status IN ('ready', 'running') OR status = 'held')
+ WHERE j.schedule = $1 AND (j.status IN ('ready', 'running') OR j.status = 'held')
    AND EXISTS (SELECT 1 FROM almanac.schedule_runs r
                 WHERE r.schedule = $1 AND r.logical_run = j.logical_run
                   AND r.fire_at >= $2 AND r.fire_at < $3)
@@ -296,7 +296,7 @@ pub async fn replace(
         .iter()
         .map(|r| schedule.job_key(&r.logical_run))
         .collect();
-    let mut tx = conn.begin().await?;
+    let mut tx = super::begin(&mut *conn).await?;
     sqlx::query(LOCK_RUNS)
         .bind(&schedule.name)
         .bind(&names)
@@ -426,7 +426,7 @@ pub async fn run(
     let mut not_replaced = 0u64;
     let mut done = 0usize;
     while done < todo.len() {
-        let mut tx = conn.begin().await.map_err(LedgerError::from)?;
+        let mut tx = super::begin(&mut *conn).await.map_err(LedgerError::from)?;
         let room = match options.max_active {
             None => backfill::CHUNK,
             Some(max) => {

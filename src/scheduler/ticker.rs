@@ -31,7 +31,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use sqlx::{Connection, PgConnection};
+use sqlx::PgConnection;
 
 use super::controls;
 use super::ledger::{self, LedgerError, Recorded, Spell};
@@ -262,7 +262,7 @@ impl Ticker {
             return Ok(Step::default());
         }
         let started = Instant::now();
-        let mut tx = conn.begin().await?;
+        let mut tx = super::begin(&mut *conn).await?;
         let done = match self.plan_and_record(&mut tx, now, awake_since).await {
             Ok(done) => done,
             Err(err) if err.is_timeout() => {

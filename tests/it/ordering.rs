@@ -21,7 +21,7 @@ use almanac::queue::ordering::OnDead;
 use almanac::queue::{self, Claim, JobStatus, NewJob, QueueError};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, RelayConfig, SinkKind};
-use almanac::role::{Role, Settings};
+use almanac::role::{Periodic, Role, Settings};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use serde_json::json;
 use sqlx::PgPool;
@@ -592,6 +592,115 @@ async fn a_key_busy_when_its_head_ends_is_released_by_the_reaper(pool: PgPool) {
         count(&pool, "SELECT count(*) FROM almanac.ordering_recheck").await,
         0
     );
+
+    // Again, but producers keep the key busy: the next enqueue of the key
+    // releases it, without waiting for the reaper.
+    let claimed = claim(&pool, 1).await;
+    assert_eq!(claimed[0].0, b);
+    let mut open = pool.begin().await.unwrap();
+    let c = queue::enqueue(&mut open, &NewJob::new(KIND).payload(json!({ "k": "k" })))
+        .await
+        .unwrap()
+        .id();
+    queue::complete(&pool, b, claimed[0].1).await.unwrap();
+    open.commit().await.unwrap();
+    assert_eq!(status(&pool, c).await, JobStatus::Held);
+    let d = enqueue_key(&pool, "k").await;
+    assert_eq!(
+        status(&pool, c).await,
+        JobStatus::Ready,
+        "the enqueue released the key"
+    );
+    assert_eq!(status(&pool, d).await, JobStatus::Held);
+}
+
+/// An operator cancels a held job while the release of its key picks it:
+/// the release does not wait for the row, notes the key, and the reaper
+/// releases the next one. A held row left with nothing before it (a raw
+/// INSERT) is found by the reaper's walk.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_held_job_cancelled_under_a_release_never_strands_its_key(pool: PgPool) {
+    order_kind(&pool, OnDead::Halt).await;
+    let a = enqueue_key(&pool, "k").await;
+    let b = enqueue_key(&pool, "k").await;
+    let c = enqueue_key(&pool, "k").await;
+    let claimed = claim(&pool, 1).await;
+    assert_eq!(claimed[0].0, a);
+    // The cancel holds b's row, not yet committed.
+    let mut cancel = pool.begin().await.unwrap();
+    let cancelled = queue::cancel_in(&mut cancel, b, "ops", Some("not needed"))
+        .await
+        .unwrap();
+    assert!(matches!(cancelled, queue::Cancel::Cancelled(_)));
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        queue::complete(&pool, a, claimed[0].1),
+    )
+    .await
+    .expect("a completion never waits for a held row")
+    .unwrap();
+    cancel.commit().await.unwrap();
+    assert_eq!(status(&pool, c).await, JobStatus::Held);
+    let reaper = Reaper::new(
+        pool.clone(),
+        ReaperConfig {
+            interval: Duration::from_secs(1),
+            batch_size: 500,
+        }
+        .validated()
+        .unwrap(),
+    );
+    let report = reaper.run_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!(report.released, 1);
+    assert_eq!(status(&pool, c).await, JobStatus::Ready);
+
+    // A held row with nothing before it, written by hand.
+    let lonely: i64 = sqlx::query_scalar(
+        "INSERT INTO almanac.jobs (kind, payload, status, ordering_key) \
+         VALUES ($1, '{}', 'held', 'lonely') RETURNING id",
+    )
+    .bind(KIND)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let report = reaper.run_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!(report.released, 1);
+    assert_eq!(status(&pool, lonely).await, JobStatus::Ready);
+}
+
+/// The broker message's key: the ordering key on Kafka (its partition),
+/// the idempotency key or the job's own on RabbitMQ (its message_id, which
+/// consumers may deduplicate on).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_ordering_key_is_the_message_key_on_kafka_only(pool: PgPool) {
+    order_kind(&pool, OnDead::Halt).await;
+    let mut conn = pool.acquire().await.unwrap();
+    for (sink, kind) in [(SinkKind::Kafka, KIND), (SinkKind::Rabbitmq, KIND)] {
+        routes::set(
+            &mut conn,
+            kind,
+            RouteMode::Broker,
+            Some(sink),
+            Some("orders"),
+        )
+        .await
+        .unwrap();
+        let key = format!("k-{sink:?}");
+        let id = enqueue_key(&pool, &key).await;
+        let (msg_key, header): (String, Option<String>) = sqlx::query_as(
+            "SELECT msg_key, headers::jsonb ->> 'almanac-ordering-key' FROM almanac.outbox WHERE job_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let expected = match sink {
+            SinkKind::Kafka => key.clone(),
+            SinkKind::Rabbitmq => format!("almanac:job:{id}"),
+        };
+        assert_eq!(msg_key, expected, "{sink:?}");
+        assert_eq!(header.as_deref(), Some(key.as_str()));
+    }
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -648,6 +757,13 @@ async fn bad_ordering_and_trace_input_is_refused_with_nothing_inserted(pool: PgP
          enqueue it in a READ COMMITTED transaction"
     );
     tx.rollback().await.unwrap();
+    // A key too long for the index, refused by name.
+    let m =
+        refused(queue::enqueue(&mut conn, &NewJob::new(KIND).ordering_key("x".repeat(600))).await);
+    assert_eq!(
+        m,
+        "the ordering key of a job of kind 'ordered' is 600 bytes long; at most 512"
+    );
     // The CLI refuses a bad traceparent before connecting, naming it.
     let out = harness::operator(&pool, &["enqueue", "plain", "--traceparent", "nope"]);
     assert!(!out.status.success());
