@@ -29,7 +29,7 @@ enum OrderingCommand {
         #[arg(long, value_name = "JSON_POINTER", allow_hyphen_values = true)]
         key_pointer: Option<String>,
         /// What a dead job does to the jobs after it on its key: halt (they
-        /// wait until it is retried or cancelled) or skip (the next runs).
+        /// wait until it is retried or deleted) or skip (the next runs).
         #[arg(long, value_name = "halt|skip", default_value = "halt", value_parser = parse_on_dead)]
         on_dead: OnDead,
     },
@@ -104,7 +104,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                     None => "the key given at enqueue".to_string(),
                 },
                 match stored.on_dead.0 {
-                    OnDead::Halt => "holds the jobs after it until it is retried or cancelled",
+                    OnDead::Halt => "holds the jobs after it until it is retried or deleted",
                     OnDead::Skip => "lets the next one run",
                 },
                 released(n)

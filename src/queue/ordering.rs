@@ -8,7 +8,7 @@
 //! enqueued: a job starts only once every earlier job of its key has ended
 //! `done` or `cancelled`, or `dead` when the kind skips dead jobs. With
 //! `on_dead = halt` (the default) a dead job holds the jobs after it until
-//! an operator retries it (it then runs first) or cancels it. The order is
+//! an operator retries it (it then runs first) or deletes it. The order is
 //! the same in every route mode and across a live `db -> dual -> broker`
 //! move, since it is kept in the database: a job waiting for its turn is
 //! `held`, has no outbox row and is claimable by no one, so a broker only
@@ -40,7 +40,14 @@
 //!   batch of completions is never held up for long by a client.
 //! - *Retry, cancel.* An operator's retry makes the job `held` and releases
 //!   its key: it runs after the key's current job and before the later
-//!   ones. A cancel of a held job ends it at once.
+//!   ones. A cancel of a held job ends it at once (and its key is released,
+//!   should it have been the next).
+//! - *Safety net.* A release that could not take the key's locks, or the
+//!   row of the held job it picked (an operator's cancel under way), notes
+//!   the key; an enqueue that finds its key with held jobs and nothing
+//!   before them releases the first; and the reaper releases the noted keys
+//!   and walks every key with held jobs, a slice per sweep ([`sweep`]),
+//!   releasing any that nothing stands before (migration 0118).
 //! - *Settings.* [`put`] and [`remove`] take the kind's route lock
 //!   exclusively, as `route set` does and every insert takes it shared: no
 //!   enqueue reads a setting that is being changed. Clearing a kind's
@@ -73,7 +80,7 @@ use super::QueueError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnDead {
-    /// They stay held until the dead job is retried or cancelled.
+    /// They stay held until the dead job is retried or deleted.
     Halt,
     /// The next one runs.
     Skip,
