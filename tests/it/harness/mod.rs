@@ -201,6 +201,16 @@ pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serd
     .execute(&mut *conn)
     .await
     .unwrap();
+    // The first UPDATE of almanac.jobs in a session also reads the catalog
+    // for its check constraints (an inlined SQL function since 0115) and
+    // compiles the statement trigger of 0117 (about 60 buffers, once): one
+    // claim first, rolled back.
+    sqlx::raw_sql(&format!(
+        "BEGIN; EXPLAIN (ANALYZE) EXECUTE claim ('{kinds}', 10, 30000); ROLLBACK"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
     let mut out = Vec::new();
     for mode in ["force_custom_plan", "force_generic_plan"] {
         sqlx::raw_sql(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
