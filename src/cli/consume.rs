@@ -58,9 +58,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         worker,
     };
     let metrics = Metrics::new();
-    let mut consumer = Consumer::new(pool, sinks, config).with_metrics(metrics.clone());
+    let tracer = ctx.tracer()?;
+    let mut consumer = Consumer::new(pool, sinks, config)
+        .with_metrics(metrics.clone())
+        .with_tracer(tracer.clone());
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
-    super::work::run_with_http(consumer, http, metrics, grace).await
+    super::work::run_with_http(consumer, http, metrics, tracer, grace).await
 }

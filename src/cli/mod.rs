@@ -145,6 +145,12 @@ impl Ctx {
         Ok(db::parse_url(&self.database_url)?)
     }
 
+    /// The span exporter the environment or `[tracing]` configures (off
+    /// when neither names an endpoint): see `docs/tracing.md`.
+    pub fn tracer(&self) -> anyhow::Result<crate::telemetry::Tracer> {
+        Ok(crate::telemetry::Tracer::from_env(&self.config.tracing)?)
+    }
+
     /// Connects and applies pending migrations (for the long-running roles).
     pub async fn migrated_pool(&self, max_connections: u32) -> anyhow::Result<PgPool> {
         Ok(db::connect_and_migrate(&self.database_url, max_connections).await?)
@@ -234,6 +240,24 @@ pub fn chain_text(err: &anyhow::Error) -> String {
         text.push_str(&part);
     }
     text
+}
+
+/// Posts the spans still queued at shutdown, waiting at most 5 s, and says
+/// how many were dropped over the run (when tracing is on).
+pub(crate) async fn flush_spans(tracer: &crate::telemetry::Tracer) {
+    if !tracer.is_on() {
+        return;
+    }
+    let flushed = tokio::time::timeout(std::time::Duration::from_secs(5), tracer.flush()).await;
+    let report = tracer.report();
+    if flushed.is_err() || report.dropped > 0 {
+        tracing::warn!(
+            exported = report.exported,
+            dropped = report.dropped,
+            flushed = flushed.is_ok(),
+            "tracing: spans dropped (queue full or collector unreachable)"
+        );
+    }
 }
 
 fn init_logging(format: LogFormat) {

@@ -180,6 +180,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.migrated_pool(8).await?;
     // One registry for the process: every role counts into it, /metrics renders it.
     let metrics = Metrics::new();
+    let tracer = ctx.tracer()?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);
@@ -200,7 +201,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 let _ = reload_tx.try_send(());
             }
         });
-        supervisor.spawn_role(scheduler.reload_on(reload_rx).with_metrics(metrics.clone()));
+        supervisor.spawn_role(
+            scheduler
+                .reload_on(reload_rx)
+                .with_metrics(metrics.clone())
+                .with_tracer(tracer.clone()),
+        );
     }
     if wants(RoleName::Reaper) {
         supervisor.spawn_role(Reaper::new(pool.clone(), reaper).with_metrics(metrics.clone()));
@@ -214,11 +220,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     for publisher in publishers {
         supervisor.spawn_role(
-            Relay::new(pool.clone(), publisher, relay.clone()).with_metrics(metrics.clone()),
+            Relay::new(pool.clone(), publisher, relay.clone())
+                .with_metrics(metrics.clone())
+                .with_tracer(tracer.clone()),
         );
     }
     let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
     tracing::info!(roles = %names.join(","), "almanac running");
-    supervisor.run_until_signal().await?;
-    Ok(())
+    let result = supervisor.run_until_signal().await;
+    super::flush_spans(&tracer).await;
+    Ok(result?)
 }

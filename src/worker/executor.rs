@@ -89,6 +89,7 @@ use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig}
 use crate::metrics::{Metrics, Outcome as Counted};
 use crate::queue::{self, CancelRequest, Failure, Job, QueueError};
 use crate::role::Valid;
+use crate::telemetry::{Parent, Span, SpanKind, TraceContext, Tracer};
 
 /// How long before the lease may run out the executor cancels a handler
 /// whose lease it could not renew; see the module doc for why a fifth.
@@ -186,6 +187,9 @@ struct Flight {
     /// up, instead of holding the job `running` and its slot forever.
     returned: Option<Instant>,
     reply: Option<oneshot::Sender<Executed>>,
+    /// The attempt's `almanac.execute` span (tracing on), ended when the
+    /// flight is settled, with its outcome.
+    span: Option<Span>,
     /// Freed when the flight is settled.
     _slot: OwnedSemaphorePermit,
 }
@@ -224,6 +228,7 @@ struct Inner {
     pool: PgPool,
     config: Valid<WorkerConfig>,
     metrics: Metrics,
+    tracer: Tracer,
     margin: Duration,
     slots: Arc<Semaphore>,
     flights: Mutex<HashMap<i64, Flight>>,
@@ -267,10 +272,16 @@ pub(crate) struct Executor {
 
 impl Executor {
     /// Starts the heartbeat loop and the outcome recorder.
-    pub fn start(pool: PgPool, config: Valid<WorkerConfig>, metrics: Metrics) -> Executor {
+    pub fn start(
+        pool: PgPool,
+        config: Valid<WorkerConfig>,
+        metrics: Metrics,
+        tracer: Tracer,
+    ) -> Executor {
         let inner = Arc::new(Inner {
             pool,
             metrics,
+            tracer,
             margin: lease_margin(config.lease),
             slots: Arc::new(Semaphore::new(config.concurrency)),
             config,
@@ -336,12 +347,16 @@ impl Executor {
     /// Runs `job` (claimed by a statement sent at `sent`) in `slot`. The
     /// receiver tells how it ended. After [`Executor::shutdown`] began, the
     /// job is handed back unrun: release it with [`Executor::release_unstarted`].
+    /// `via` is the trace context the job came with besides its own (a
+    /// broker message's publish span): its first attempt's span is a child
+    /// of that, else of the job's `traceparent` ([`crate::telemetry`]).
     pub fn spawn(
         &self,
         job: Job,
         sent: Instant,
         handler: Arc<dyn Handler>,
         slot: OwnedSemaphorePermit,
+        via: Option<TraceContext>,
     ) -> Result<oneshot::Receiver<Executed>, Box<Job>> {
         let mut state = self.state();
         let Some(outcomes) = state.outcomes.clone().filter(|_| !state.closed) else {
@@ -352,6 +367,8 @@ impl Executor {
         let requested_flag = Arc::new(AtomicBool::new(false));
         let (reply, rx) = oneshot::channel();
         let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
+        let span = execution_span(&self.inner.tracer, &job, via);
+        let trace = span.as_ref().map(|s| s.context);
         let displaced = self.inner.flights().insert(
             job.id,
             Flight {
@@ -366,6 +383,7 @@ impl Executor {
                 started: Instant::now(),
                 returned: None,
                 reply: Some(reply),
+                span,
                 _slot: slot,
             },
         );
@@ -387,7 +405,8 @@ impl Executor {
         while state.tasks.try_join_next().is_some() {}
         let ctx = JobContext::new(job, cancel.clone())
             .with_deadline(deadlines, self.inner.margin)
-            .with_cancel_flag(requested_flag);
+            .with_cancel_flag(requested_flag)
+            .with_trace(trace);
         state.tasks.spawn(execute(
             self.inner.clone(),
             ctx,
@@ -667,9 +686,56 @@ impl Inner {
             self.metrics
                 .record_outcome(&flight.kind, counted, flight.started.elapsed());
         }
+        if let Some(mut span) = flight.span.take() {
+            let outcome = outcome_name(executed);
+            span.attr("almanac.outcome", outcome);
+            if !matches!(executed, Executed::Completed | Executed::Snoozed) {
+                span.fail(outcome);
+            }
+            self.tracer.end(span);
+        }
         if let Some(reply) = flight.reply.take() {
             let _ = reply.send(executed);
         }
+    }
+}
+
+/// The `almanac.execute` span of a job's attempt (`None` when tracing is
+/// off): the first attempt joins `via` or the job's trace; a retry starts
+/// a trace linked to the job's.
+fn execution_span(tracer: &Tracer, job: &Job, via: Option<TraceContext>) -> Option<Span> {
+    if !tracer.is_on() {
+        return None;
+    }
+    let enqueued = job.traceparent.as_deref().and_then(TraceContext::parse);
+    let parent = match (job.attempts > 1, via.or(enqueued)) {
+        (false, Some(parent)) => Parent::Child(parent),
+        (true, _) => enqueued.map_or(Parent::Root, Parent::Linked),
+        (false, None) => Parent::Root,
+    };
+    let mut span = tracer.start("almanac.execute", SpanKind::Consumer, parent)?;
+    span.attr("almanac.job.id", job.id);
+    span.attr("almanac.job.kind", job.kind.as_str());
+    span.attr("almanac.job.attempt", job.attempts);
+    if let Some(schedule) = &job.schedule {
+        span.attr("almanac.schedule", schedule.as_str());
+    }
+    if let Some(run) = &job.logical_run {
+        span.attr("almanac.logical_run", run.as_str());
+    }
+    Some(span)
+}
+
+/// An outcome's name, as spans carry it.
+fn outcome_name(executed: Executed) -> &'static str {
+    match executed {
+        Executed::Completed => "completed",
+        Executed::Retried => "retried",
+        Executed::Dead => "dead",
+        Executed::Lost => "lost",
+        Executed::Released => "released",
+        Executed::Cancelled => "cancelled",
+        Executed::Snoozed => "snoozed",
     }
 }
 
