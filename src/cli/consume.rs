@@ -29,6 +29,8 @@ pub struct Args {
     #[command(flatten)]
     http: super::ops::HttpFlags,
     #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
+    #[command(flatten)]
     sinks: SinkFlags,
 }
 
@@ -58,7 +60,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         worker,
     };
     let metrics = Metrics::new();
-    let tracer = ctx.tracer()?;
+    let tracer = args.tracing.tracer(ctx)?;
     let mut consumer = Consumer::new(pool, sinks, config)
         .with_metrics(metrics.clone())
         .with_tracer(tracer.clone());

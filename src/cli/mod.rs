@@ -23,6 +23,7 @@ mod schedules;
 pub mod settings;
 mod sinks;
 mod stats;
+mod tracing_flags;
 mod work;
 
 use std::path::PathBuf;
@@ -143,12 +144,6 @@ pub struct Ctx {
 impl Ctx {
     pub fn connect_options(&self) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
         Ok(db::parse_url(&self.database_url)?)
-    }
-
-    /// The span exporter the environment or `[tracing]` configures (off
-    /// when neither names an endpoint): see `docs/tracing.md`.
-    pub fn tracer(&self) -> anyhow::Result<crate::telemetry::Tracer> {
-        Ok(crate::telemetry::Tracer::from_env(&self.config.tracing)?)
     }
 
     /// Connects and applies pending migrations (for the long-running roles).

@@ -65,6 +65,8 @@ pub struct Args {
     sinks: SinkFlags,
     #[command(flatten)]
     relay: RelayFlags,
+    #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
 }
 
 /// The roles to run: `--roles` (or `roles`), else every role that applies;
@@ -180,7 +182,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.migrated_pool(8).await?;
     // One registry for the process: every role counts into it, /metrics renders it.
     let metrics = Metrics::new();
-    let tracer = ctx.tracer()?;
+    let tracer = args.tracing.tracer(ctx)?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);

@@ -21,6 +21,8 @@ pub struct Args {
     worker: WorkerFlags,
     #[command(flatten)]
     http: super::ops::HttpFlags,
+    #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
 }
 
 /// Worker settings shared by every command that runs handlers.
@@ -123,7 +125,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
     let pool = ctx.migrated_pool(4).await?;
     let metrics = Metrics::new();
-    let tracer = ctx.tracer()?;
+    let tracer = args.tracing.tracer(ctx)?;
     let mut worker = Worker::new(pool, config)
         .with_metrics(metrics.clone())
         .with_tracer(tracer.clone());

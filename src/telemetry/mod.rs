@@ -261,21 +261,6 @@ impl Tracer {
         otlp::start(config).map(|shared| Tracer(Some(shared)))
     }
 
-    /// From `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`
-    /// (and `OTEL_TRACES_SAMPLER_ARG`, `OTEL_SERVICE_NAME`), or the config
-    /// file's `[tracing]`; off when no endpoint is set anywhere.
-    pub fn from_env(section: &crate::config::TracingSection) -> Result<Tracer, ExportError> {
-        match ExportConfig::from_env(section)? {
-            Some(config) => {
-                let endpoint = crate::redact::redact_url(&config.endpoint);
-                let tracer = Tracer::otlp(config)?;
-                tracing::info!(%endpoint, "tracing: exporting spans by OTLP/HTTP");
-                Ok(tracer)
-            }
-            None => Ok(Tracer::off()),
-        }
-    }
-
     pub fn is_on(&self) -> bool {
         self.0.is_some()
     }

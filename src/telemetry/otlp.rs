@@ -18,7 +18,6 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use super::{push_hex, Shared, Span, Value};
-use crate::config::TracingSection;
 use crate::redact::redact_url;
 
 /// Where and how spans are exported.
@@ -47,7 +46,7 @@ pub enum ExportError {
     Scheme(String),
     #[error("tracing endpoint {0} has no host; give http://HOST:PORT")]
     NoHost(String),
-    #[error("OTEL_TRACES_SAMPLER_ARG (or [tracing] sample_ratio) is {0}; give a ratio from 0 to 1, e.g. 0.1")]
+    #[error("--trace-sample-ratio (OTEL_TRACES_SAMPLER_ARG, [tracing] sample_ratio) is {0}; give a ratio from 0 to 1, e.g. 0.1")]
     Ratio(String),
 }
 
@@ -62,37 +61,6 @@ impl ExportConfig {
             batch: 512,
             interval: Duration::from_secs(1),
         }
-    }
-
-    /// The environment first (the OpenTelemetry variables), then `section`.
-    pub fn from_env(section: &TracingSection) -> Result<Option<ExportConfig>, ExportError> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let (endpoint, traces_path_given) = match var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
-            Some(url) => (url, true),
-            None => match var("OTEL_EXPORTER_OTLP_ENDPOINT").or(section.otlp_endpoint.clone()) {
-                Some(url) => (url, false),
-                None => return Ok(None),
-            },
-        };
-        let ratio = match var("OTEL_TRACES_SAMPLER_ARG") {
-            Some(arg) => arg
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|r| (0.0..=1.0).contains(r))
-                .ok_or(ExportError::Ratio(arg))?,
-            None => section.sample_ratio.unwrap_or(1.0),
-        };
-        if !(0.0..=1.0).contains(&ratio) {
-            return Err(ExportError::Ratio(ratio.to_string()));
-        }
-        let mut config = ExportConfig::new(endpoint);
-        config.traces_path_given = traces_path_given;
-        config.ratio = ratio;
-        if let Some(name) = var("OTEL_SERVICE_NAME") {
-            config.service_name = name;
-        }
-        Ok(Some(config))
     }
 }
 
@@ -144,6 +112,9 @@ fn target(config: &ExportConfig) -> Result<Target, ExportError> {
 }
 
 pub(super) fn start(config: ExportConfig) -> Result<Arc<Shared>, ExportError> {
+    if !(0.0..=1.0).contains(&config.ratio) {
+        return Err(ExportError::Ratio(config.ratio.to_string()));
+    }
     let target = target(&config)?;
     let (queue, spans) = mpsc::channel(config.queue.max(1));
     let (flush, flushes) = mpsc::unbounded_channel();
