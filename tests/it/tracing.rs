@@ -34,7 +34,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::brokers::{self, unique};
-use crate::harness::{count, eventually};
+use crate::harness::{self, count, eventually};
 
 const KIND: &str = "traced";
 const JOBS: i64 = 1_000;
@@ -65,7 +65,8 @@ impl Got {
 #[derive(Clone, Default)]
 struct Receiver {
     spans: Arc<Mutex<Vec<Got>>>,
-    posts: Arc<Mutex<Vec<String>>>,
+    /// Each post's `Content-Type` and `Authorization` headers.
+    posts: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 impl Receiver {
@@ -78,12 +79,18 @@ impl Receiver {
                 move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
                     let receiver = receiver.clone();
                     async move {
-                        let content_type = headers
-                            .get("content-type")
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or("")
-                            .to_string();
-                        receiver.posts.lock().unwrap().push(content_type);
+                        let header = |name: &str| {
+                            headers
+                                .get(name)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("")
+                                .to_string()
+                        };
+                        receiver
+                            .posts
+                            .lock()
+                            .unwrap()
+                            .push((header("content-type"), header("authorization")));
                         let request: Value = serde_json::from_slice(&body).unwrap();
                         receiver.spans.lock().unwrap().extend(decode(&request));
                         "{}"
@@ -340,7 +347,7 @@ async fn every_execution_joins_its_enqueue_trace(pool: PgPool, mode: Mode) {
         .lock()
         .unwrap()
         .iter()
-        .all(|c| c == "application/json"));
+        .all(|(c, _)| c == "application/json"));
 
     let publishes: HashMap<String, Got> = receiver
         .named("almanac.publish")
@@ -682,4 +689,88 @@ async fn tracing_a_schedule_s_logical_run_has_a_span_its_job_joins(pool: PgPool)
         execution.text("almanac.schedule"),
         Some("traced-every-minute")
     );
+}
+
+/// `almanac work` with `OTEL_EXPORTER_OTLP_ENDPOINT` (holding a password):
+/// its command sees `TRACEPARENT`, the execution span joins the job's
+/// enqueue trace, the spans reach the collector by SIGTERM (flushed at
+/// shutdown) with the password as basic auth, and no log line shows it.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn tracing_almanac_work_exports_to_the_otel_endpoint_and_hides_its_password(pool: PgPool) {
+    let (receiver, addr) = Receiver::start().await;
+    let dir = std::env::temp_dir().join(unique("traceparent-cli"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let enqueue = enqueue_context(9, 9);
+    let id = queue::enqueue(
+        &mut pool.acquire().await.unwrap(),
+        &NewJob::new(KIND).traceparent(traceparent(&enqueue)),
+    )
+    .await
+    .unwrap()
+    .id();
+    let handler = format!(
+        "{KIND}=printf '%s' \"$TRACEPARENT\" > {}/$ALMANAC_JOB_ID",
+        dir.display()
+    );
+    let child = harness::almanac()
+        .args(["work", "--handler", &handler, "--poll-interval", "50ms"])
+        .env("DATABASE_URL", harness::database_url(&pool))
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://collector:otlpS3cretPw@{addr}"),
+        )
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually("the job done", Duration::from_secs(30), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    // SAFETY: signals the child this test spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // Waited for off the runtime: the receiver must answer the last posts.
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let logs = format!(
+        "{}{}",
+        harness::text(&out.stdout),
+        harness::text(&out.stderr)
+    );
+    assert!(
+        !logs.contains("otlpS3cretPw"),
+        "the password in the logs:\n{logs}"
+    );
+    assert!(logs.contains("exporting spans by OTLP/HTTP"), "{logs}");
+    // Flushed before the process exited: no waiting here.
+    let executions = receiver.named("almanac.execute");
+    assert_eq!(executions.len(), 1, "{executions:?}");
+    let span = &executions[0];
+    assert_eq!(span.int("almanac.job.id"), Some(id));
+    assert_eq!(
+        (span.trace_id.as_str(), span.parent.as_deref()),
+        (enqueue.0.as_str(), Some(enqueue.1.as_str()))
+    );
+    let seen = std::fs::read_to_string(dir.join(id.to_string())).unwrap();
+    assert_eq!(seen, format!("00-{}-{}-01", span.trace_id, span.span_id));
+    use base64::Engine as _;
+    let auth = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("collector:otlpS3cretPw")
+    );
+    assert!(receiver
+        .posts
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|(_, a)| *a == auth));
+    let _ = std::fs::remove_dir_all(&dir);
 }
