@@ -81,6 +81,7 @@ use uuid::Uuid;
 mod cancels;
 mod heartbeat;
 mod record;
+mod spans;
 
 use heartbeat::heartbeat;
 use record::{record, Outcome, Write};
@@ -89,7 +90,7 @@ use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig}
 use crate::metrics::{Metrics, Outcome as Counted};
 use crate::queue::{self, CancelRequest, Failure, Job, QueueError};
 use crate::role::Valid;
-use crate::telemetry::{Parent, Span, SpanKind, TraceContext, Tracer};
+use crate::telemetry::{Span, TraceContext, Tracer};
 
 /// How long before the lease may run out the executor cancels a handler
 /// whose lease it could not renew; see the module doc for why a fifth.
@@ -367,7 +368,7 @@ impl Executor {
         let requested_flag = Arc::new(AtomicBool::new(false));
         let (reply, rx) = oneshot::channel();
         let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
-        let span = execution_span(&self.inner.tracer, &job, via);
+        let span = spans::execution(&self.inner.tracer, &job, via);
         let trace = span.as_ref().map(|s| s.context);
         let displaced = self.inner.flights().insert(
             job.id,
@@ -398,6 +399,7 @@ impl Executor {
                 Executed::Lost,
                 Some("the job was claimed again before this attempt ended"),
             );
+            self.inner.end_span(stale.span.take(), Executed::Lost);
             if let Some(reply) = stale.reply.take() {
                 let _ = reply.send(Executed::Lost);
             }
@@ -647,6 +649,13 @@ impl Inner {
         }
     }
 
+    /// Ends an attempt's span (if traced) with how the attempt ended.
+    fn end_span(&self, span: Option<Span>, executed: Executed) {
+        if let Some(span) = span {
+            spans::end(&self.tracer, span, executed);
+        }
+    }
+
     /// Ends a flight: counts its outcome, tells whoever waits, frees its slot.
     fn settle(&self, id: i64, token: Uuid, executed: Executed, detail: Option<&str>) {
         let removed = {
@@ -686,56 +695,10 @@ impl Inner {
             self.metrics
                 .record_outcome(&flight.kind, counted, flight.started.elapsed());
         }
-        if let Some(mut span) = flight.span.take() {
-            let outcome = outcome_name(executed);
-            span.attr("almanac.outcome", outcome);
-            if !matches!(executed, Executed::Completed | Executed::Snoozed) {
-                span.fail(outcome);
-            }
-            self.tracer.end(span);
-        }
+        self.end_span(flight.span.take(), executed);
         if let Some(reply) = flight.reply.take() {
             let _ = reply.send(executed);
         }
-    }
-}
-
-/// The `almanac.execute` span of a job's attempt (`None` when tracing is
-/// off): the first attempt joins `via` or the job's trace; a retry starts
-/// a trace linked to the job's.
-fn execution_span(tracer: &Tracer, job: &Job, via: Option<TraceContext>) -> Option<Span> {
-    if !tracer.is_on() {
-        return None;
-    }
-    let enqueued = job.traceparent.as_deref().and_then(TraceContext::parse);
-    let parent = match (job.attempts > 1, via.or(enqueued)) {
-        (false, Some(parent)) => Parent::Child(parent),
-        (true, _) => enqueued.map_or(Parent::Root, Parent::Linked),
-        (false, None) => Parent::Root,
-    };
-    let mut span = tracer.start("almanac.execute", SpanKind::Consumer, parent)?;
-    span.attr("almanac.job.id", job.id);
-    span.attr("almanac.job.kind", job.kind.as_str());
-    span.attr("almanac.job.attempt", job.attempts);
-    if let Some(schedule) = &job.schedule {
-        span.attr("almanac.schedule", schedule.as_str());
-    }
-    if let Some(run) = &job.logical_run {
-        span.attr("almanac.logical_run", run.as_str());
-    }
-    Some(span)
-}
-
-/// An outcome's name, as spans carry it.
-fn outcome_name(executed: Executed) -> &'static str {
-    match executed {
-        Executed::Completed => "completed",
-        Executed::Retried => "retried",
-        Executed::Dead => "dead",
-        Executed::Lost => "lost",
-        Executed::Released => "released",
-        Executed::Cancelled => "cancelled",
-        Executed::Snoozed => "snoozed",
     }
 }
 
