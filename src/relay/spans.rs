@@ -29,7 +29,7 @@ pub(super) fn start(tracer: &Tracer, sink: SinkKind, rows: &mut [OutboxRow]) -> 
             let mut span =
                 tracer.start("almanac.publish", SpanKind::Producer, Parent::Child(parent))?;
             span.attr("messaging.system", sink.as_str());
-            span.attr("messaging.destination.name", row.destination.as_str());
+            span.attr("messaging.destination.name", row.destination.clone());
             span.attr("messaging.operation.type", "send");
             span.attr("almanac.job.id", row.job_id);
             span.attr("almanac.outbox.id", row.id);

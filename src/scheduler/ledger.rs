@@ -362,8 +362,8 @@ pub async fn record_in(
         if let Some(mut span) =
             tracer.start("almanac.schedule.run", SpanKind::Internal, Parent::Root)
         {
-            span.attr("almanac.schedule", schedule.name.as_str());
-            span.attr("almanac.logical_run", planned.run.logical_run.as_str());
+            span.attr("almanac.schedule", schedule.name.clone());
+            span.attr("almanac.logical_run", planned.run.logical_run.clone());
             span.attr("almanac.schedule.fire_at", planned.run.fire_at.to_rfc3339());
             span.attr("almanac.schedule.source", planned.source.as_str());
             span.attr("almanac.schedule.outcome", outcome);

@@ -159,6 +159,8 @@ pub enum SpanKind {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     Str(String),
+    /// A constant: an outcome's or a system's name (nothing allocated).
+    Static(&'static str),
     Int(i64),
 }
 
@@ -196,9 +198,9 @@ impl Span {
     }
 }
 
-impl From<&str> for Value {
-    fn from(s: &str) -> Value {
-        Value::Str(s.to_string())
+impl From<&'static str> for Value {
+    fn from(s: &'static str) -> Value {
+        Value::Static(s)
     }
 }
 impl From<String> for Value {
@@ -300,7 +302,7 @@ impl Tracer {
             kind,
             start_unix_nanos: unix_nanos(),
             end_unix_nanos: 0,
-            attributes: Vec::new(),
+            attributes: Vec::with_capacity(if sampled { 6 } else { 0 }),
             error: None,
         })
     }

@@ -21,13 +21,13 @@ pub(super) fn execution(tracer: &Tracer, job: &Job, via: Option<TraceContext>) -
     };
     let mut span = tracer.start("almanac.execute", SpanKind::Consumer, parent)?;
     span.attr("almanac.job.id", job.id);
-    span.attr("almanac.job.kind", job.kind.as_str());
+    span.attr("almanac.job.kind", job.kind.clone());
     span.attr("almanac.job.attempt", job.attempts);
     if let Some(schedule) = &job.schedule {
-        span.attr("almanac.schedule", schedule.as_str());
+        span.attr("almanac.schedule", schedule.clone());
     }
     if let Some(run) = &job.logical_run {
-        span.attr("almanac.logical_run", run.as_str());
+        span.attr("almanac.logical_run", run.clone());
     }
     Some(span)
 }
