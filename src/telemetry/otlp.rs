@@ -420,4 +420,62 @@ mod tests {
             "svc"
         );
     }
+
+    /// What a span costs the process, in CPU time rather than throughput
+    /// (which the shared machine's load moves): `cargo test --release --lib
+    /// span_cost -- --ignored --nocapture`.
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore]
+    async fn span_cost() {
+        use crate::telemetry::{Parent, SpanKind, TraceContext, Tracer};
+        let cpu = || {
+            let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+            // SAFETY: getrusage fills the struct it is given.
+            unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
+            let u = unsafe { usage.assume_init() };
+            let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+            t(u.ru_utime) + t(u.ru_stime)
+        };
+        let (tx, mut rx) = mpsc::channel(1 << 20);
+        let (flush, _f) = mpsc::unbounded_channel();
+        let tracer = Tracer(Some(Arc::new(Shared::new(1.0, tx, flush))));
+        let parent =
+            TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        let n = 200_000;
+        let kind = String::from("send_email");
+        let start = cpu();
+        for i in 0..n {
+            let mut span = tracer
+                .start("almanac.execute", SpanKind::Consumer, Parent::Child(parent))
+                .unwrap();
+            span.attr("almanac.job.id", i as i64);
+            span.attr("almanac.job.kind", kind.clone());
+            span.attr("almanac.job.attempt", 1);
+            span.attr("almanac.outcome", "completed");
+            tracer.end(span);
+        }
+        let made = cpu() - start;
+        let mut spans = Vec::with_capacity(n);
+        rx.recv_many(&mut spans, n).await;
+        let start = cpu();
+        let mut bytes = 0;
+        let mut bodies = Vec::new();
+        for chunk in spans.chunks(512) {
+            let body = encode("almanac", chunk);
+            bytes += body.len();
+            bodies.push(body);
+        }
+        let encoded = cpu() - start;
+        let start = cpu();
+        for body in &bodies {
+            let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+            assert!(v["resourceSpans"].is_array());
+        }
+        let decoded = cpu() - start;
+        let us = |s: f64| s / n as f64 * 1e6;
+        eprintln!(
+            "per span: start + attributes + end {:.2} us, encode {:.2} us ({} bytes), a receiver's serde_json decode {:.2} us",
+            us(made), us(encoded), bytes / n, us(decoded)
+        );
+    }
 }
