@@ -73,6 +73,11 @@
 //! the relay re-drives a destination's stranded jobs only after such a
 //! drain, so a consumer outage does not multiply messages.
 //!
+//! **Tracing** (off unless [`Consumer::with_tracer`]): a message's
+//! `traceparent` header (the relay's publish span) is read and the first
+//! attempt's execution span is its child ([`crate::telemetry`]); with
+//! tracing off the header is not even read.
+//!
 //! Kafka messages are handled one at a time per consumer (commit order is
 //! offset order); scale out with partitions and more consumers. A handler
 //! that runs longer than Kafka's `max.poll.interval.ms` (5 minutes) makes the

@@ -81,6 +81,10 @@
 //!   route disagrees with `almanac.routes` and pending rows addressed to a
 //!   sink or destination their kind no longer uses ([`routes::reconcile`]).
 //! - LISTEN/NOTIFY (`almanac_outbox`) wakes the relay; polling is the safety net.
+//! - **Tracing** (off unless [`Relay::with_tracer`]): a row whose headers
+//!   carry a `traceparent` is published under an `almanac.publish` span,
+//!   a child of it, and the message's `traceparent` header is that span's
+//!   context (`relay/spans.rs`).
 
 mod config;
 pub mod kafka;
@@ -189,7 +193,7 @@ impl Relay {
         }
     }
 
-    /// Traces each publish into `tracer` (by default off): see [`spans`].
+    /// Traces each publish into `tracer` (by default off): see `relay/spans.rs`.
     pub fn with_tracer(mut self, tracer: crate::telemetry::Tracer) -> Self {
         self.tracer = tracer;
         self

@@ -135,7 +135,7 @@ pub(super) fn start(config: ExportConfig) -> Result<Arc<Shared>, ExportError> {
 /// How often the exporter takes what is queued. Waking for each span would
 /// cost a task wake-up per job; every 50 ms, a queue of 8,192 holds up to
 /// 160,000 spans a second.
-const DRAIN_EVERY: Duration = Duration::from_millis(50);
+pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
 /// The exporter task; it ends when the last [`super::Tracer`] is dropped
 /// (after posting what was queued).

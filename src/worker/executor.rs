@@ -58,6 +58,10 @@
 //!   deadline are released: `ready` again at once, or `dead` when their
 //!   attempts are used up. Outcomes still being written get their retries
 //!   (bounded by their lease deadline) before the executor stops.
+//! - **Tracing** (off unless the worker or consumer was given a tracer):
+//!   each attempt gets an `almanac.execute` span when it is spawned (the
+//!   handler reads its context in [`JobContext::traceparent`]), ended with
+//!   the outcome when the flight is settled ([`spans`]).
 //! - **Limit.** A handler future that is dropped stops being polled, but
 //!   threads or tasks it spawned itself are not stopped. A database outage
 //!   longer than the lease loses the outcome: the reaper takes the job back
