@@ -61,7 +61,7 @@
 //! - **Tracing** (off unless the worker or consumer was given a tracer):
 //!   each attempt gets an `almanac.execute` span when it is spawned (the
 //!   handler reads its context in [`JobContext::traceparent`]), ended with
-//!   the outcome when the flight is settled ([`spans`]).
+//!   the outcome when the flight is settled (`executor/spans.rs`).
 //! - **Limit.** A handler future that is dropped stops being polled, but
 //!   threads or tasks it spawned itself are not stopped. A database outage
 //!   longer than the lease loses the outcome: the reaper takes the job back
