@@ -52,6 +52,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     // Off unless set, so several workers can share a host.
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(4).await?;
     let config = ConsumerConfig {
         sink: args.sink,
@@ -60,7 +62,6 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         worker,
     };
     let metrics = Metrics::new();
-    let tracer = args.tracing.tracer(ctx)?;
     let mut consumer = Consumer::new(pool, sinks, config)
         .with_metrics(metrics.clone())
         .with_tracer(tracer.clone());

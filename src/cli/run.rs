@@ -179,10 +179,11 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
 
     // Last before the database: a taken port fails the start, nothing applied.
     let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(8).await?;
     // One registry for the process: every role counts into it, /metrics renders it.
     let metrics = Metrics::new();
-    let tracer = args.tracing.tracer(ctx)?;
     let mut supervisor = Supervisor::new();
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);

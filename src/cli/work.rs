@@ -123,9 +123,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     // Off unless set, so several workers can share a host.
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(4).await?;
     let metrics = Metrics::new();
-    let tracer = args.tracing.tracer(ctx)?;
     let mut worker = Worker::new(pool, config)
         .with_metrics(metrics.clone())
         .with_tracer(tracer.clone());

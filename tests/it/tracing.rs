@@ -774,3 +774,39 @@ async fn tracing_almanac_work_exports_to_the_otel_endpoint_and_hides_its_passwor
         .all(|(_, a)| *a == auth));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A bad endpoint or ratio fails the start, before any database is
+/// touched, saying what to do and never showing the password.
+#[test]
+fn tracing_a_bad_endpoint_or_ratio_is_refused_at_start() {
+    for (args, expected) in [
+        (
+            vec!["--otlp-endpoint", "https://u:otlpS3cretPw@collector:4318"],
+            "only http:// is supported",
+        ),
+        (
+            vec![
+                "--otlp-endpoint",
+                "http://127.0.0.1:1",
+                "--trace-sample-ratio",
+                "1.5",
+            ],
+            "give a ratio from 0 to 1",
+        ),
+    ] {
+        let out = harness::almanac()
+            .args(["work", "--handler", "k=true"])
+            .args(&args)
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+            .output()
+            .unwrap();
+        let stderr = harness::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(expected), "{stderr}");
+        assert!(!stderr.contains("otlpS3cretPw"), "{stderr}");
+        assert!(
+            !stderr.contains("cannot connect to database"),
+            "the tracing settings are checked before the database: {stderr}"
+        );
+    }
+}
