@@ -46,6 +46,20 @@ pub struct Config {
     pub reaper: ReaperSection,
     #[serde(default)]
     pub relay: RelaySection,
+    #[serde(default)]
+    pub tracing: TracingSection,
+}
+
+/// `[tracing]`: OpenTelemetry export (docs/tracing.md); off unless an
+/// endpoint is set here or in `OTEL_EXPORTER_OTLP_ENDPOINT`, which wins.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingSection {
+    /// `http://HOST:PORT` of an OTLP/HTTP collector; may hold a password
+    /// (sent as basic auth), never logged.
+    pub otlp_endpoint: Option<String>,
+    /// Share of root traces sampled, 0 to 1 (`OTEL_TRACES_SAMPLER_ARG` wins).
+    pub sample_ratio: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -35,6 +35,9 @@
 //! - [`control`]: the operator's levers (pause and resume kinds, cancel,
 //!   retry, bulk actions), each acting and writing its audit row in one
 //!   transaction, the same code behind the CLI, the dashboard and the API.
+//! - [`telemetry`]: one trace per job: W3C trace context, the spans of
+//!   schedule runs, publishes and executions, and their OTLP/HTTP export
+//!   (off unless configured, nothing built when off).
 //! - [`ui`]: the web dashboard `almanac run` serves (read-only unless
 //!   `--ui-actions`).
 
@@ -55,5 +58,6 @@ pub mod role;
 pub mod scheduler;
 pub mod stats;
 pub mod supervisor;
+pub mod telemetry;
 pub mod ui;
 pub mod worker;

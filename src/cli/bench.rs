@@ -18,6 +18,9 @@
 //! - **enqueue**: the SQL function beside the Rust API and the hand-written
 //!   INSERT it replaces, one job and 1,000 jobs per transaction
 //!   ([`enqueue`]).
+//! - **tracing**: the default runtime with tracing off beside every span
+//!   exported by OTLP to a receiver in this process, in pairs, and the
+//!   ratio ([`traced`]); `--tracing-only` measures just these.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +43,7 @@ use crate::worker::{JobContext, Worker, WorkerConfig};
 
 mod enqueue;
 mod ordered;
+mod traced;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -61,6 +65,12 @@ pub struct Args {
     /// Tuned runtime: jobs per claim.
     #[arg(long, default_value_t = 1000)]
     tuned_batch_size: usize,
+    /// Only the tracing figures (off beside on), nothing else.
+    #[arg(long, conflicts_with = "ordering_only")]
+    tracing_only: bool,
+    /// Only the ordering figure (200 keys beside unordered), nothing else.
+    #[arg(long)]
+    ordering_only: bool,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -97,6 +107,7 @@ struct Report {
     wal_bytes_per_job: f64,
     dead_tuples: i64,
     enqueue: enqueue::Report,
+    tracing: traced::Report,
 }
 
 const KIND: &str = "bench";
@@ -113,6 +124,30 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         .application_name("almanac-bench");
     let pool = db::connect_with(options.clone(), (args.connections as u32 + 2).max(12)).await?;
     db::migrate(&pool).await?;
+    if args.tracing_only {
+        let result = traced::measure(&pool, args.jobs).await;
+        pool.close().await;
+        drop_database(&base, &name).await;
+        let report = result?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            traced::print_table(&report);
+        }
+        return Ok(());
+    }
+    if args.ordering_only {
+        let result = ordered::measure(&pool, args.jobs).await;
+        pool.close().await;
+        drop_database(&base, &name).await;
+        let report = result?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            ordered::print_table(&report);
+        }
+        return Ok(());
+    }
     let result = measure(&pool, &args).await;
     pool.close().await;
     drop_database(&base, &name).await;
@@ -190,6 +225,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     let exec = burn_exec(pool).await?;
 
     let enqueue = enqueue::measure(pool, args.connections, &args.enqueue).await?;
+    let tracing = traced::measure(pool, args.jobs).await?;
 
     Ok(Report {
         jobs: args.jobs,
@@ -208,6 +244,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
         wal_bytes_per_job: (wal_after - wal_before) as f64 / args.jobs as f64,
         dead_tuples,
         enqueue,
+        tracing,
     })
 }
 
@@ -403,10 +440,21 @@ async fn raw_burn(pool: &PgPool, connections: usize, batch: usize, n: u64) -> an
 /// Burns down the queue with the worker runtime; jobs/s until the last
 /// outcome is recorded.
 async fn burn(pool: &PgPool, config: WorkerConfig, jobs: u64) -> anyhow::Result<f64> {
+    burn_with(pool, config, jobs, crate::telemetry::Tracer::off()).await
+}
+
+/// [`burn`], tracing into `tracer`.
+async fn burn_with(
+    pool: &PgPool,
+    config: WorkerConfig,
+    jobs: u64,
+    tracer: crate::telemetry::Tracer,
+) -> anyhow::Result<f64> {
     let ran = Arc::new(AtomicU64::new(0));
     let counter = ran.clone();
-    let worker =
-        Worker::new(pool.clone(), config.validated()?).register(KIND, move |_ctx: JobContext| {
+    let worker = Worker::new(pool.clone(), config.validated()?)
+        .with_tracer(tracer)
+        .register(KIND, move |_ctx: JobContext| {
             counter.fetch_add(1, Ordering::Relaxed);
             async { Ok(()) }
         });
@@ -605,4 +653,5 @@ fn print_table(r: &Report) {
         r.dead_tuples
     );
     enqueue::print_table(&r.enqueue);
+    traced::print_table(&r.tracing);
 }

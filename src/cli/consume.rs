@@ -29,6 +29,8 @@ pub struct Args {
     #[command(flatten)]
     http: super::ops::HttpFlags,
     #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
+    #[command(flatten)]
     sinks: SinkFlags,
 }
 
@@ -50,6 +52,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     // Off unless set, so several workers can share a host.
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(4).await?;
     let config = ConsumerConfig {
         sink: args.sink,
@@ -58,9 +62,11 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         worker,
     };
     let metrics = Metrics::new();
-    let mut consumer = Consumer::new(pool, sinks, config).with_metrics(metrics.clone());
+    let mut consumer = Consumer::new(pool, sinks, config)
+        .with_metrics(metrics.clone())
+        .with_tracer(tracer.clone());
     for (kind, command) in args.handlers {
         consumer = consumer.register(kind, args.worker.exec_handler(ctx, command));
     }
-    super::work::run_with_http(consumer, http, metrics, grace).await
+    super::work::run_with_http(consumer, http, metrics, tracer, grace).await
 }

@@ -23,6 +23,7 @@ mod schedules;
 pub mod settings;
 mod sinks;
 mod stats;
+mod tracing_flags;
 mod work;
 
 use std::path::PathBuf;
@@ -234,6 +235,24 @@ pub fn chain_text(err: &anyhow::Error) -> String {
         text.push_str(&part);
     }
     text
+}
+
+/// Posts the spans still queued at shutdown, waiting at most 5 s, and says
+/// how many were dropped over the run (when tracing is on).
+pub(crate) async fn flush_spans(tracer: &crate::telemetry::Tracer) {
+    if !tracer.is_on() {
+        return;
+    }
+    let flushed = tokio::time::timeout(std::time::Duration::from_secs(5), tracer.flush()).await;
+    let report = tracer.report();
+    if flushed.is_err() || report.dropped > 0 {
+        tracing::warn!(
+            exported = report.exported,
+            dropped = report.dropped,
+            flushed = flushed.is_ok(),
+            "tracing: spans dropped (queue full or collector unreachable)"
+        );
+    }
 }
 
 fn init_logging(format: LogFormat) {

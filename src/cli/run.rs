@@ -65,6 +65,8 @@ pub struct Args {
     sinks: SinkFlags,
     #[command(flatten)]
     relay: RelayFlags,
+    #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
 }
 
 /// The roles to run: `--roles` (or `roles`), else every role that applies;
@@ -177,6 +179,8 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
 
     // Last before the database: a taken port fails the start, nothing applied.
     let http = args.http.bind(ctx, HttpAddr::RUN_DEFAULT).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(8).await?;
     // One registry for the process: every role counts into it, /metrics renders it.
     let metrics = Metrics::new();
@@ -200,7 +204,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 let _ = reload_tx.try_send(());
             }
         });
-        supervisor.spawn_role(scheduler.reload_on(reload_rx).with_metrics(metrics.clone()));
+        supervisor.spawn_role(
+            scheduler
+                .reload_on(reload_rx)
+                .with_metrics(metrics.clone())
+                .with_tracer(tracer.clone()),
+        );
     }
     if wants(RoleName::Reaper) {
         supervisor.spawn_role(Reaper::new(pool.clone(), reaper).with_metrics(metrics.clone()));
@@ -214,11 +223,14 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     for publisher in publishers {
         supervisor.spawn_role(
-            Relay::new(pool.clone(), publisher, relay.clone()).with_metrics(metrics.clone()),
+            Relay::new(pool.clone(), publisher, relay.clone())
+                .with_metrics(metrics.clone())
+                .with_tracer(tracer.clone()),
         );
     }
     let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
     tracing::info!(roles = %names.join(","), "almanac running");
-    supervisor.run_until_signal().await?;
-    Ok(())
+    let result = supervisor.run_until_signal().await;
+    super::flush_spans(&tracer).await;
+    Ok(result?)
 }

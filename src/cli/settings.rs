@@ -60,6 +60,8 @@ pub const SETTINGS: &[Setting] = &[
     s("[relay] reconcile_interval", "--reconcile-interval"),
     s("[relay] batch_size", "--relay-batch-size"),
     s("[relay] batch_bytes", "--relay-batch-bytes"),
+    s("[tracing] otlp_endpoint", "--otlp-endpoint"),
+    s("[tracing] sample_ratio", "--trace-sample-ratio"),
 ];
 
 /// A setting's error as a person at the command line reads it: the flag,

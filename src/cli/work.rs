@@ -21,6 +21,8 @@ pub struct Args {
     worker: WorkerFlags,
     #[command(flatten)]
     http: super::ops::HttpFlags,
+    #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
 }
 
 /// Worker settings shared by every command that runs handlers.
@@ -121,13 +123,17 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     }
     // Off unless set, so several workers can share a host.
     let http = args.http.bind(ctx, HttpAddr::OFF).await?;
+    // Before the database too: a bad endpoint or ratio fails the start.
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = ctx.migrated_pool(4).await?;
     let metrics = Metrics::new();
-    let mut worker = Worker::new(pool, config).with_metrics(metrics.clone());
+    let mut worker = Worker::new(pool, config)
+        .with_metrics(metrics.clone())
+        .with_tracer(tracer.clone());
     for (kind, command) in args.handlers {
         worker = worker.register(kind, args.worker.exec_handler(ctx, command));
     }
-    run_with_http(worker, http, metrics, grace).await
+    run_with_http(worker, http, metrics, tracer, grace).await
 }
 
 /// Runs `role` (a worker or a consumer), and the HTTP endpoint rendering
@@ -137,6 +143,7 @@ pub(super) async fn run_with_http<R: Role>(
     role: R,
     http: Option<HttpServer>,
     metrics: Metrics,
+    tracer: crate::telemetry::Tracer,
     grace: std::time::Duration,
 ) -> anyhow::Result<()>
 where
@@ -153,6 +160,7 @@ where
         tracing::info!(role = %R::NAME, ?report, "stopped");
         Ok::<_, anyhow::Error>(())
     });
-    supervisor.run_until_signal().await?;
-    Ok(())
+    let result = supervisor.run_until_signal().await;
+    super::flush_spans(&tracer).await;
+    Ok(result?)
 }

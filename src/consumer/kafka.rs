@@ -25,6 +25,7 @@ use super::{Consumer, Handled, JOB_ID_HEADER};
 use crate::broker::kafka::{admin, ensure_topic};
 use crate::broker::{SinkError, SinkKind};
 use crate::retry::Retry;
+use crate::telemetry::{TraceContext, TRACEPARENT_HEADER};
 use crate::worker::Executor;
 
 pub(super) async fn run(
@@ -186,12 +187,21 @@ async fn session(
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .and_then(|v| v.parse::<i64>().ok())
         });
+        let via = consumer.via(|| {
+            let headers = message.headers()?;
+            headers
+                .iter()
+                .find(|h| h.key == TRACEPARENT_HEADER)
+                .and_then(|h| h.value)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(TraceContext::parse)
+        });
         // Runs to its outcome even after `shutdown`: the executor's own
         // shutdown bounds it by the deadline.
         // A paused kind's message is held for as long as the pause lasts:
         // nothing past it may be committed.
         match consumer
-            .handle_until_done(executor, job_id, shutdown, None)
+            .handle_until_done(executor, job_id, via, shutdown, None)
             .await
         {
             None | Some(Handled::Paused(_) | Handled::Limited(_)) => return None,

@@ -73,6 +73,11 @@
 //! the relay re-drives a destination's stranded jobs only after such a
 //! drain, so a consumer outage does not multiply messages.
 //!
+//! **Tracing** (off unless [`Consumer::with_tracer`]): a message's
+//! `traceparent` header (the relay's publish span) is read and the first
+//! attempt's execution span is its child ([`crate::telemetry`]); with
+//! tracing off the header is not even read.
+//!
 //! Kafka messages are handled one at a time per consumer (commit order is
 //! offset order); scale out with partitions and more consumers. A handler
 //! that runs longer than Kafka's `max.poll.interval.ms` (5 minutes) makes the
@@ -99,6 +104,7 @@ use crate::metrics::Metrics;
 use crate::queue::{self, ClaimById, QueueError};
 use crate::retry::Retry;
 use crate::role::{Role, RoleName, Valid};
+use crate::telemetry::{TraceContext, Tracer};
 use crate::worker::{Executed, Executor, Handler, WorkerConfig, WorkerReport};
 
 /// The header carrying the job id.
@@ -175,6 +181,7 @@ pub struct Consumer {
     handlers: HashMap<String, Arc<dyn Handler>>,
     counters: Arc<Counters>,
     metrics: Metrics,
+    tracer: Tracer,
 }
 
 /// Why a message's job could not be claimed; the message is not acked.
@@ -229,6 +236,24 @@ impl Consumer {
             handlers: HashMap::new(),
             counters: Arc::default(),
             metrics: Metrics::new(),
+            tracer: Tracer::off(),
+        }
+    }
+
+    /// Traces each attempt into `tracer` (by default off), joining the
+    /// trace of the message's `traceparent` header: see [`crate::telemetry`].
+    pub fn with_tracer(mut self, tracer: Tracer) -> Self {
+        self.tracer = tracer;
+        self
+    }
+
+    /// The trace context a message came with (its `traceparent` header,
+    /// read only when tracing is on).
+    fn via(&self, header: impl FnOnce() -> Option<TraceContext>) -> Option<TraceContext> {
+        if self.tracer.is_on() {
+            header()
+        } else {
+            None
         }
     }
 
@@ -260,6 +285,7 @@ impl Consumer {
         &self,
         executor: &Executor,
         job_id: Option<i64>,
+        via: Option<TraceContext>,
     ) -> Result<Option<Handled>, ClaimError> {
         let Some(id) = job_id else {
             warn!("message without a valid {JOB_ID_HEADER} header; skipping it");
@@ -301,7 +327,7 @@ impl Consumer {
         };
         let handler = self.handlers[&job.kind].clone();
         self.counters.executed.fetch_add(1, Ordering::Relaxed);
-        let executed = match executor.spawn(job, sent, handler, slot) {
+        let executed = match executor.spawn(job, sent, handler, slot, via) {
             Ok(outcome) => match outcome.await {
                 Ok(executed) => executed,
                 Err(_) => return Ok(None),
@@ -369,6 +395,7 @@ impl Consumer {
         &self,
         executor: &Executor,
         job_id: Option<i64>,
+        via: Option<TraceContext>,
         shutdown: &CancellationToken,
         hold: Option<Duration>,
     ) -> Option<Handled> {
@@ -378,7 +405,7 @@ impl Consumer {
         );
         let since = Instant::now();
         loop {
-            match self.handle(executor, job_id).await {
+            match self.handle(executor, job_id, via).await {
                 Ok(handled) => return handled,
                 Err(ClaimError::Limited(kind)) => {
                     self.metrics.record_held_by_limit(&kind);
@@ -498,6 +525,7 @@ impl Role for Consumer {
             this.pool.clone(),
             this.config.worker.clone(),
             this.metrics.clone(),
+            this.tracer.clone(),
         );
         // The broker loop stops taking messages on `stop`, then waits for the
         // jobs in hand; the executor's shutdown ends those within the deadline.

@@ -35,6 +35,7 @@ use crate::broker::rabbitmq::{connect, declare};
 use crate::broker::{SinkError, SinkKind};
 use crate::redact::redact_url;
 use crate::retry::Retry;
+use crate::telemetry::{TraceContext, TRACEPARENT_HEADER};
 use crate::worker::Executor;
 
 fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
@@ -43,6 +44,14 @@ fn job_id(headers: &Option<FieldTable>) -> Option<i64> {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
         AMQPValue::ShortString(s) => s.as_str().parse().ok(),
         AMQPValue::LongLongInt(n) => Some(*n),
+        _ => None,
+    }
+}
+
+fn traceparent(headers: &Option<FieldTable>) -> Option<TraceContext> {
+    match headers.as_ref()?.inner().get(TRACEPARENT_HEADER)? {
+        AMQPValue::LongString(s) => TraceContext::parse(std::str::from_utf8(s.as_bytes()).ok()?),
+        AMQPValue::ShortString(s) => TraceContext::parse(s.as_str()),
         _ => None,
     }
 }
@@ -191,7 +200,8 @@ pub(super) async fn run(
             let queue_name = queue.clone();
             running.spawn(async move {
                 let id = job_id(delivery.properties.headers());
-                match consumer.handle_until_done(&executor, id, &shutdown, Some(OTHER_KIND_HOLD)).await {
+                let via = consumer.via(|| traceparent(delivery.properties.headers()));
+                match consumer.handle_until_done(&executor, id, via, &shutdown, Some(OTHER_KIND_HOLD)).await {
                     None => {}
                     // Still paused after a while: to the tail of the queue,
                     // so the deliveries behind it (other kinds) get their turn.

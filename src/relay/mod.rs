@@ -81,6 +81,10 @@
 //!   route disagrees with `almanac.routes` and pending rows addressed to a
 //!   sink or destination their kind no longer uses ([`routes::reconcile`]).
 //! - LISTEN/NOTIFY (`almanac_outbox`) wakes the relay; polling is the safety net.
+//! - **Tracing** (off unless [`Relay::with_tracer`]): a row whose headers
+//!   carry a `traceparent` is published under an `almanac.publish` span,
+//!   a child of it, and the message's `traceparent` header is that span's
+//!   context (`relay/spans.rs`).
 
 mod config;
 pub mod kafka;
@@ -88,6 +92,7 @@ pub mod outbox;
 pub mod publisher;
 pub mod rabbitmq;
 pub mod routes;
+mod spans;
 
 use std::time::Duration;
 
@@ -151,6 +156,8 @@ pub struct Relay {
     publisher: Publisher,
     config: Valid<RelayConfig>,
     metrics: Metrics,
+    /// The `almanac.publish` spans' ([`spans`]); off by default.
+    tracer: crate::telemetry::Tracer,
     /// Where the re-drive sweep goes on.
     redrive_from: Option<routing::RedriveCursor>,
     /// Destinations re-drive holds back (not drained), as last told.
@@ -177,12 +184,19 @@ impl Relay {
             publisher,
             config,
             metrics: Metrics::new(),
+            tracer: crate::telemetry::Tracer::off(),
             redrive_from: None,
             held: Vec::new(),
             claimed_from_start: Instant::now(),
             stop: CancellationToken::new(),
             blocked: false,
         }
+    }
+
+    /// Traces each publish into `tracer` (by default off): see `relay/spans.rs`.
+    pub fn with_tracer(mut self, tracer: crate::telemetry::Tracer) -> Self {
+        self.tracer = tracer;
+        self
     }
 
     /// When `batch` must be done with the broker: its lease less
@@ -259,12 +273,14 @@ impl Relay {
 
     /// Claims, publishes and marks one batch (without pipelining).
     pub async fn run_once(&mut self) -> Result<RelayReport, RelayError> {
-        let claimed = self.claim(None).await?;
+        let mut claimed = self.claim(None).await?;
         if claimed.rows.is_empty() {
             return Ok(RelayReport::default());
         }
         let by = self.deadline(&claimed);
+        let traced = spans::start(&self.tracer, self.publisher.sink(), &mut claimed.rows);
         let results = self.publisher.publish_by(&claimed.rows, by).await;
+        spans::end(&self.tracer, traced, &results);
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));
         }
@@ -291,7 +307,7 @@ impl Relay {
     pub async fn drain(&mut self) -> Result<RelayReport, RelayError> {
         let mut report = RelayReport::default();
         let mut marking: Option<JoinHandle<Result<RelayReport, sqlx::Error>>> = None;
-        let mut outstanding: Option<(Claimed, InFlight)> = None;
+        let mut outstanding: Option<(Claimed, InFlight, Vec<_>)> = None;
         let mut next_claim: Option<JoinHandle<Result<Claimed, sqlx::Error>>> = None;
         let mut claimed = Some(self.claim(None).await?);
         let mut result = Ok(());
@@ -310,16 +326,17 @@ impl Relay {
                 }
                 if !batch.rows.is_empty() {
                     let by = self.deadline(&batch);
+                    let traced = spans::start(&self.tracer, self.publisher.sink(), &mut batch.rows);
                     let in_flight = self.publisher.send(&batch.rows, by).await;
                     // The broker client has its copy: this one is not kept
                     // while the acknowledgements come and the batch is marked.
                     batch.drop_payloads();
-                    sent = Some((batch, in_flight));
+                    sent = Some((batch, in_flight, traced));
                 }
             }
-            if let Some((batch, in_flight)) = outstanding.take() {
+            if let Some((batch, in_flight, traced)) = outstanding.take() {
                 match self
-                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .finish(batch, in_flight, traced, &mut marking, &mut report)
                     .await
                 {
                     Ok(false) => {}
@@ -347,10 +364,10 @@ impl Relay {
         // (its messages are out: marking them spares a second copy); not
         // after finishing failed: then its rows go out again when their
         // in-flight lease ends.
-        if let Some((batch, in_flight)) = outstanding.take() {
+        if let Some((batch, in_flight, traced)) = outstanding.take() {
             if !finishing_failed {
                 if let Err(e) = self
-                    .finish(batch, in_flight, &mut marking, &mut report)
+                    .finish(batch, in_flight, traced, &mut marking, &mut report)
                     .await
                 {
                     if result.is_ok() {
@@ -396,10 +413,12 @@ impl Relay {
         &mut self,
         batch: Claimed,
         in_flight: InFlight,
+        traced: Vec<Option<crate::telemetry::Span>>,
         marking: &mut Option<JoinHandle<Result<RelayReport, sqlx::Error>>>,
         report: &mut RelayReport,
     ) -> Result<bool, RelayError> {
         let results = in_flight.acks(&batch.rows).await;
+        spans::end(&self.tracer, traced, &results);
         self.publisher.settle(&batch.rows, &results);
         if let Some(point) = self.config.failpoint {
             return Err(RelayError::Failpoint(point));

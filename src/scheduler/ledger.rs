@@ -27,6 +27,7 @@ macro_rules! cursor_sql {
 }
 use super::spec::{Overlap, Schedule};
 use crate::queue::{self, QueueError};
+use crate::telemetry::{Parent, SpanKind, Tracer};
 pub(crate) use cursor_sql;
 
 #[derive(Debug, thiserror::Error)]
@@ -290,7 +291,7 @@ pub async fn record(
         return Ok(Recorded::default());
     }
     let mut tx = super::begin(&mut *conn).await?;
-    let report = record_in(&mut tx, batch, overlap, emit_skipped).await?;
+    let report = record_in(&mut tx, batch, overlap, emit_skipped, &Tracer::off()).await?;
     tx.commit().await?;
     Ok(report)
 }
@@ -301,6 +302,7 @@ pub async fn record_in(
     batch: &[(&Schedule, &Planned)],
     overlap: bool,
     emit_skipped: bool,
+    tracer: &Tracer,
 ) -> Result<Recorded, LedgerError> {
     let mut report = Recorded::default();
     if batch.is_empty() {
@@ -330,6 +332,9 @@ pub async fn record_in(
     let mut attempts = Vec::with_capacity(n);
     let mut priorities = Vec::with_capacity(n);
     let mut keys = Vec::with_capacity(n);
+    // Empty when tracing is off: `unnest` pads the shorter array with NULLs.
+    let mut traceparents: Vec<Option<String>> = Vec::new();
+    let mut spans = Vec::new();
     for (schedule, planned) in batch {
         let outcome = match planned.decision {
             Decision::SkipCatchup => "skipped_catchup",
@@ -354,6 +359,17 @@ pub async fn record_in(
         attempts.push(schedule.max_attempts);
         priorities.push(schedule.priority);
         keys.push(schedule.job_key(&planned.run.logical_run));
+        if let Some(mut span) =
+            tracer.start("almanac.schedule.run", SpanKind::Internal, Parent::Root)
+        {
+            span.attr("almanac.schedule", schedule.name.clone());
+            span.attr("almanac.logical_run", planned.run.logical_run.clone());
+            span.attr("almanac.schedule.fire_at", planned.run.fire_at.to_rfc3339());
+            span.attr("almanac.schedule.source", planned.source.as_str());
+            span.attr("almanac.schedule.outcome", outcome);
+            traceparents.push((outcome == "emitted").then(|| span.traceparent()));
+            spans.push(span);
+        }
     }
     let on_conflict = if emit_skipped {
         "DO UPDATE SET outcome = 'emitted', source = excluded.source, recorded_at = now(), \
@@ -366,9 +382,10 @@ pub async fn record_in(
         r#"
         WITH planned AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],
-                                 $6::text[], $7::jsonb[], $8::int[], $9::text[], $11::smallint[])
+                                 $6::text[], $7::jsonb[], $8::int[], $9::text[], $11::smallint[],
+                                 $12::text[])
                 AS p(schedule, logical_run, fire_at, source, outcome, kind, payload, max_attempts, key,
-                     priority)
+                     priority, traceparent)
         ), recorded AS (
             INSERT INTO almanac.schedule_runs AS r (schedule, logical_run, fire_at, source, outcome, job_id)
             SELECT p.schedule, p.logical_run, p.fire_at, p.source, p.outcome,
@@ -382,11 +399,11 @@ pub async fn record_in(
         ), emitted AS (
             INSERT INTO almanac.jobs
                 (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run,
-                 priority)
+                 priority, traceparent)
             OVERRIDING SYSTEM VALUE
             SELECT r.job_id, p.kind, p.payload,
                    CASE WHEN p.source = 'trigger' THEN least(p.fire_at, now()) ELSE p.fire_at END,
-                   p.max_attempts, p.key, r.schedule, r.logical_run, p.priority
+                   p.max_attempts, p.key, r.schedule, r.logical_run, p.priority, p.traceparent
             FROM recorded r JOIN planned p USING (schedule, logical_run)
             WHERE r.job_id IS NOT NULL
             ON CONFLICT (idempotency_key) DO NOTHING
@@ -410,8 +427,14 @@ pub async fn record_in(
     .bind(&keys)
     .bind(queue::NOTIFY_CHANNEL)
     .bind(&priorities)
+    .bind(&traceparents)
     .fetch_all(&mut *tx)
     .await?;
+    // Ended once the statement ran (a transaction rolled back later leaves
+    // a span whose job does not exist; its run is recorded again later).
+    for span in spans {
+        tracer.end(span);
+    }
     let mut written = 0;
     for (schedule, outcome, was_there, count) in counts {
         let count = count as u64;

@@ -183,6 +183,7 @@ pub struct Scheduler {
     /// A message here reloads the schedule files (SIGHUP in `almanac run`).
     reload: Option<mpsc::Receiver<()>>,
     metrics: Metrics,
+    tracer: crate::telemetry::Tracer,
 }
 
 enum Ended {
@@ -205,12 +206,20 @@ impl Scheduler {
             leading: Arc::new(AtomicBool::new(false)),
             reload: None,
             metrics: Metrics::new(),
+            tracer: crate::telemetry::Tracer::off(),
         })
     }
 
     /// Counts into `metrics` (by default, a registry of its own).
     pub fn with_metrics(mut self, metrics: Metrics) -> Self {
         self.metrics = metrics;
+        self
+    }
+
+    /// Gives each logical run it records an `almanac.schedule.run` span
+    /// in `tracer` (by default off), which its job's trace joins.
+    pub fn with_tracer(mut self, tracer: crate::telemetry::Tracer) -> Self {
+        self.tracer = tracer;
         self
     }
 
@@ -341,7 +350,9 @@ impl Scheduler {
         )
         .await;
         let mut ticker = match loaded {
-            Ok(Ok(ticker)) => ticker.with_budget(Budget::for_leader_timeout(limit)),
+            Ok(Ok(ticker)) => ticker
+                .with_budget(Budget::for_leader_timeout(limit))
+                .with_tracer(self.tracer.clone()),
             Ok(Err(err)) => {
                 self.lost(&format!("syncing schedules failed: {err}"));
                 return Ended::Lost;

@@ -111,6 +111,8 @@ pub struct Ticker {
     grace: Duration,
     budget: Budget,
     chunk: usize,
+    /// Each recorded run's `almanac.schedule.run` span ([`ledger::record_in`]).
+    tracer: crate::telemetry::Tracer,
 }
 
 /// What one step did, and whether runs due at the same `now` remain.
@@ -139,6 +141,12 @@ impl Ticker {
     /// Steps sized and bounded for this budget (the leader's timeout).
     pub fn with_budget(mut self, budget: Budget) -> Self {
         self.budget = budget;
+        self
+    }
+
+    /// Traces every run it records into `tracer` (by default off).
+    pub fn with_tracer(mut self, tracer: crate::telemetry::Tracer) -> Self {
+        self.tracer = tracer;
         self
     }
 
@@ -192,6 +200,7 @@ impl Ticker {
             grace,
             budget: Budget::default(),
             chunk: FIRST_CHUNK,
+            tracer: crate::telemetry::Tracer::off(),
         })
     }
 
@@ -378,7 +387,7 @@ impl Ticker {
             .map(|(i, p)| (&self.entries[*i].schedule, p))
             .filter(|(s, _)| !busy.contains(&s.kind))
             .collect();
-        let recorded = ledger::record_in(&mut *tx, &refs, true, false).await?;
+        let recorded = ledger::record_in(&mut *tx, &refs, true, false, &self.tracer).await?;
         Ok(Done {
             recorded,
             advanced,

@@ -14,6 +14,7 @@
 //! | `ALMANAC_IDEMPOTENCY_KEY` | the key to pass on, so a re-run has no second effect |
 //! | `ALMANAC_LOGICAL_RUN`, `ALMANAC_SCHEDULE` | for scheduled jobs only |
 //! | `ALMANAC_LEASE_TOKEN` | this attempt's lease token, to fence writes with |
+//! | `TRACEPARENT` | the W3C trace context of this attempt's `almanac.execute` span when tracing is on ([`crate::telemetry`]), else the `traceparent` the job was enqueued with; unset when neither exists |
 //! | `ALMANAC_LEASE_DEADLINE` | `lease_until` as the claim set it, RFC 3339 UTC on the database's clock; renewals move it every third of the lease, and without them the command is killed a fifth of the lease before it |
 //!
 //! A command that writes to the job's database fences a write by locking
@@ -180,6 +181,7 @@ impl ExecHandler {
         for (name, value) in [
             ("ALMANAC_LOGICAL_RUN", job.logical_run.clone()),
             ("ALMANAC_SCHEDULE", job.schedule.clone()),
+            (crate::telemetry::TRACEPARENT_ENV, ctx.traceparent()),
         ]
         .into_iter()
         .chain(lease)

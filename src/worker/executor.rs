@@ -58,6 +58,10 @@
 //!   deadline are released: `ready` again at once, or `dead` when their
 //!   attempts are used up. Outcomes still being written get their retries
 //!   (bounded by their lease deadline) before the executor stops.
+//! - **Tracing** (off unless the worker or consumer was given a tracer):
+//!   each attempt gets an `almanac.execute` span when it is spawned (the
+//!   handler reads its context in [`JobContext::traceparent`]), ended with
+//!   the outcome when the flight is settled (`executor/spans.rs`).
 //! - **Limit.** A handler future that is dropped stops being polled, but
 //!   threads or tasks it spawned itself are not stopped. A database outage
 //!   longer than the lease loses the outcome: the reaper takes the job back
@@ -81,6 +85,7 @@ use uuid::Uuid;
 mod cancels;
 mod heartbeat;
 mod record;
+mod spans;
 
 use heartbeat::heartbeat;
 use record::{record, Outcome, Write};
@@ -89,6 +94,7 @@ use super::{failure_of, invoke, Handler, HandlerError, JobContext, WorkerConfig}
 use crate::metrics::{Metrics, Outcome as Counted};
 use crate::queue::{self, CancelRequest, Failure, Job, QueueError};
 use crate::role::Valid;
+use crate::telemetry::{Span, TraceContext, Tracer};
 
 /// How long before the lease may run out the executor cancels a handler
 /// whose lease it could not renew; see the module doc for why a fifth.
@@ -186,6 +192,9 @@ struct Flight {
     /// up, instead of holding the job `running` and its slot forever.
     returned: Option<Instant>,
     reply: Option<oneshot::Sender<Executed>>,
+    /// The attempt's `almanac.execute` span (tracing on), ended when the
+    /// flight is settled, with its outcome.
+    span: Option<Span>,
     /// Freed when the flight is settled.
     _slot: OwnedSemaphorePermit,
 }
@@ -224,6 +233,7 @@ struct Inner {
     pool: PgPool,
     config: Valid<WorkerConfig>,
     metrics: Metrics,
+    tracer: Tracer,
     margin: Duration,
     slots: Arc<Semaphore>,
     flights: Mutex<HashMap<i64, Flight>>,
@@ -267,10 +277,16 @@ pub(crate) struct Executor {
 
 impl Executor {
     /// Starts the heartbeat loop and the outcome recorder.
-    pub fn start(pool: PgPool, config: Valid<WorkerConfig>, metrics: Metrics) -> Executor {
+    pub fn start(
+        pool: PgPool,
+        config: Valid<WorkerConfig>,
+        metrics: Metrics,
+        tracer: Tracer,
+    ) -> Executor {
         let inner = Arc::new(Inner {
             pool,
             metrics,
+            tracer,
             margin: lease_margin(config.lease),
             slots: Arc::new(Semaphore::new(config.concurrency)),
             config,
@@ -336,12 +352,16 @@ impl Executor {
     /// Runs `job` (claimed by a statement sent at `sent`) in `slot`. The
     /// receiver tells how it ended. After [`Executor::shutdown`] began, the
     /// job is handed back unrun: release it with [`Executor::release_unstarted`].
+    /// `via` is the trace context the job came with besides its own (a
+    /// broker message's publish span): its first attempt's span is a child
+    /// of that, else of the job's `traceparent` ([`crate::telemetry`]).
     pub fn spawn(
         &self,
         job: Job,
         sent: Instant,
         handler: Arc<dyn Handler>,
         slot: OwnedSemaphorePermit,
+        via: Option<TraceContext>,
     ) -> Result<oneshot::Receiver<Executed>, Box<Job>> {
         let mut state = self.state();
         let Some(outcomes) = state.outcomes.clone().filter(|_| !state.closed) else {
@@ -352,6 +372,8 @@ impl Executor {
         let requested_flag = Arc::new(AtomicBool::new(false));
         let (reply, rx) = oneshot::channel();
         let (deadline, deadlines) = watch::channel(self.inner.local_deadline(sent));
+        let span = spans::execution(&self.inner.tracer, &job, via);
+        let trace = span.as_ref().map(|s| s.context);
         let displaced = self.inner.flights().insert(
             job.id,
             Flight {
@@ -366,6 +388,7 @@ impl Executor {
                 started: Instant::now(),
                 returned: None,
                 reply: Some(reply),
+                span,
                 _slot: slot,
             },
         );
@@ -380,6 +403,7 @@ impl Executor {
                 Executed::Lost,
                 Some("the job was claimed again before this attempt ended"),
             );
+            self.inner.end_span(stale.span.take(), Executed::Lost);
             if let Some(reply) = stale.reply.take() {
                 let _ = reply.send(Executed::Lost);
             }
@@ -387,7 +411,8 @@ impl Executor {
         while state.tasks.try_join_next().is_some() {}
         let ctx = JobContext::new(job, cancel.clone())
             .with_deadline(deadlines, self.inner.margin)
-            .with_cancel_flag(requested_flag);
+            .with_cancel_flag(requested_flag)
+            .with_trace(trace);
         state.tasks.spawn(execute(
             self.inner.clone(),
             ctx,
@@ -628,6 +653,13 @@ impl Inner {
         }
     }
 
+    /// Ends an attempt's span (if traced) with how the attempt ended.
+    fn end_span(&self, span: Option<Span>, executed: Executed) {
+        if let Some(span) = span {
+            spans::end(&self.tracer, span, executed);
+        }
+    }
+
     /// Ends a flight: counts its outcome, tells whoever waits, frees its slot.
     fn settle(&self, id: i64, token: Uuid, executed: Executed, detail: Option<&str>) {
         let removed = {
@@ -667,6 +699,7 @@ impl Inner {
             self.metrics
                 .record_outcome(&flight.kind, counted, flight.started.elapsed());
         }
+        self.end_span(flight.span.take(), executed);
         if let Some(reply) = flight.reply.take() {
             let _ = reply.send(executed);
         }

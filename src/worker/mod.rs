@@ -121,6 +121,8 @@ pub struct JobContext {
     requested: Arc<AtomicBool>,
     deadlines: watch::Receiver<Instant>,
     margin: Duration,
+    /// The execution span's context, when tracing is on.
+    trace: Option<crate::telemetry::TraceContext>,
 }
 
 /// How far off a deadline that is not known is put: never, in practice.
@@ -136,6 +138,7 @@ impl JobContext {
             requested: Arc::default(),
             deadlines,
             margin: Duration::ZERO,
+            trace: None,
         }
     }
 
@@ -178,6 +181,22 @@ impl JobContext {
     pub(crate) fn with_cancel_flag(mut self, requested: Arc<AtomicBool>) -> Self {
         self.requested = requested;
         self
+    }
+
+    /// The execution span's context ([`crate::telemetry`]).
+    pub(crate) fn with_trace(mut self, trace: Option<crate::telemetry::TraceContext>) -> Self {
+        self.trace = trace;
+        self
+    }
+
+    /// The W3C `traceparent` to pass on from this attempt: its execution
+    /// span's when tracing is on, else the one the job was enqueued with
+    /// (handed on unchanged). The exec handler sets `TRACEPARENT` to it.
+    pub fn traceparent(&self) -> Option<String> {
+        match &self.trace {
+            Some(trace) => Some(trace.header()),
+            None => self.job.traceparent.clone(),
+        }
     }
 
     /// Whether an operator asked for this job to stop (`almanac jobs
@@ -312,6 +331,7 @@ pub struct Worker {
     pool: PgPool,
     config: Valid<WorkerConfig>,
     metrics: Metrics,
+    tracer: crate::telemetry::Tracer,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
 
@@ -321,8 +341,15 @@ impl Worker {
             pool,
             config,
             metrics: Metrics::new(),
+            tracer: crate::telemetry::Tracer::off(),
             handlers: HashMap::new(),
         }
+    }
+
+    /// Traces each attempt into `tracer` (by default off): see [`crate::telemetry`].
+    pub fn with_tracer(mut self, tracer: crate::telemetry::Tracer) -> Self {
+        self.tracer = tracer;
+        self
     }
 
     /// Counts into `metrics` (by default, a registry of its own).
@@ -358,6 +385,7 @@ impl Role for Worker {
             self.pool,
             self.config,
             self.metrics,
+            self.tracer,
             self.handlers,
             shutdown,
         )

@@ -24,12 +24,13 @@ pub(super) async fn run(
     pool: PgPool,
     config: Valid<WorkerConfig>,
     metrics: Metrics,
+    tracer: crate::telemetry::Tracer,
     handlers: HashMap<String, Arc<dyn Handler>>,
     shutdown: CancellationToken,
 ) -> WorkerReport {
     let mut kinds: Vec<String> = handlers.keys().cloned().collect();
     kinds.sort();
-    let executor = Executor::start(pool.clone(), config.clone(), metrics);
+    let executor = Executor::start(pool.clone(), config.clone(), metrics, tracer);
     let wake = Arc::new(Notify::new());
     let listen_stop = CancellationToken::new();
     let listener = config.listen.then(|| {
@@ -122,7 +123,7 @@ pub(super) async fn run(
             // Nobody waits for the outcome here: the executor records it.
             drop(
                 executor
-                    .spawn(job, sent, handler, slot)
+                    .spawn(job, sent, handler, slot, None)
                     .expect("the executor shuts down only after this loop"),
             );
         }

@@ -52,6 +52,7 @@ mod scheduler;
 mod schema;
 mod slow_tick;
 mod snooze;
+mod tracing;
 mod ui;
 mod unserved;
 mod worker;
