@@ -894,7 +894,8 @@ CREATE FUNCTION almanac.traceparent_ok(tp text) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     AS $_$
     SELECT tp IS NULL
-        OR (tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+        OR (tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$'
+            AND (length(tp) = 55 OR (left(tp, 2) <> '00' AND substr(tp, 56, 1) = '-'))
             AND left(tp, 2) <> 'ff'
             AND substr(tp, 4, 32) <> '00000000000000000000000000000000'
             AND substr(tp, 37, 16) <> '0000000000000000')

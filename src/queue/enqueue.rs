@@ -151,24 +151,12 @@ pub fn check_priority(priority: i16) -> Result<(), QueueError> {
 }
 
 /// A W3C trace context `traceparent` as `almanac.traceparent_ok` takes it
-/// (version 00 form, lowercase hex, ids not all zeros); refused with the
-/// function's own message otherwise.
+/// (version 00 exactly; a later version's first four fields, then anything
+/// after a `-`; lowercase hex, ids not all zeros, version not `ff`: the
+/// parser the tracer reads it with, [`crate::telemetry::TraceContext`]);
+/// refused with the function's own message otherwise.
 pub fn check_traceparent(tp: &str) -> Result<(), QueueError> {
-    let parts: Vec<&str> = tp.split('-').collect();
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let ok = parts.len() == 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && parts[1].bytes().any(|b| b != b'0')
-        && hex(parts[2], 16)
-        && parts[2].bytes().any(|b| b != b'0')
-        && hex(parts[3], 2);
-    if ok {
+    if crate::telemetry::TraceContext::parse(tp).is_some() {
         Ok(())
     } else {
         Err(QueueError::Invalid(format!(

@@ -771,6 +771,30 @@ async fn bad_ordering_and_trace_input_is_refused_with_nothing_inserted(pool: PgP
         harness::text(&out.stderr).contains("traceparent 'nope' is not a W3C trace context header")
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
+    // A later version's header, with a field more, is taken (as W3C asks
+    // of a reader), from Rust and from SQL; version 00 with one is not.
+    let later = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra";
+    queue::enqueue(&mut conn, &NewJob::new("plain").traceparent(later))
+        .await
+        .unwrap();
+    sqlx::query("SELECT * FROM almanac.enqueue('plain', traceparent => $1)")
+        .bind(later)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let m = refused(
+        queue::enqueue(
+            &mut conn,
+            &NewJob::new("plain")
+                .traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra"),
+        )
+        .await,
+    );
+    assert!(m.starts_with("traceparent '00-"), "{m}");
+    sqlx::query("DELETE FROM almanac.jobs")
+        .execute(&pool)
+        .await
+        .unwrap();
     // A good one is stored and rides on the job.
     let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let out = harness::operator(&pool, &["enqueue", "plain", "--traceparent", tp]);
