@@ -16,6 +16,20 @@ pub fn redact_url(url: &str) -> String {
     redact_in(url, url)
 }
 
+/// A URL with its whole user part (`user:password@`, or a token alone,
+/// `token@`) replaced by `***@`: for URLs whose user part may itself be
+/// the secret (an OTLP collector's).
+pub fn redact_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "(unparsable URL)".to_string();
+    };
+    let end = rest.find('/').unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+        None => url.to_string(),
+    }
+}
+
 /// `text` with every occurrence of `url`'s password replaced by `***`.
 pub fn redact_in(text: &str, url: &str) -> String {
     match password_of(url) {

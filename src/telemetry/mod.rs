@@ -23,7 +23,7 @@
 //!   `TraceIdRatioBased` does. An unsampled span still hands its context on
 //!   (flags `00`), so the trace stays whole downstream; it is not exported.
 //! - **Export** ([`otlp`]): finished spans go into a bounded queue
-//!   ([`ExportConfig::queue`], 8,192) with `try_send`; a full queue drops the
+//!   ([`ExportConfig::queue`], 32,768) with `try_send`; a full queue drops the
 //!   span and counts it ([`TracerReport::dropped`]): a slow or absent
 //!   collector never blocks or slows a job beyond that. One task posts
 //!   batches of up to 512 spans, at least every second, over HTTP/1.1; a

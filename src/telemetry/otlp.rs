@@ -19,7 +19,6 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use super::{push_hex, Shared, Span, Value};
-use crate::redact::redact_url;
 
 /// Where and how spans are exported.
 #[derive(Debug, Clone)]
@@ -58,7 +57,9 @@ impl ExportConfig {
             traces_path_given: false,
             ratio: 1.0,
             service_name: "almanac".into(),
-            queue: 8192,
+            // Twice the largest burst ended at once (a relay batch or a
+            // scheduler chunk, 10,000 each at most).
+            queue: 32_768,
             batch: 512,
             interval: Duration::from_secs(1),
         }
@@ -75,7 +76,7 @@ struct Target {
 }
 
 fn target(config: &ExportConfig) -> Result<Target, ExportError> {
-    let shown = redact_url(&config.endpoint);
+    let shown = crate::redact::redact_userinfo(&config.endpoint);
     let Some(rest) = config.endpoint.strip_prefix("http://") else {
         return Err(ExportError::Scheme(shown));
     };
@@ -120,7 +121,12 @@ pub(super) fn start(config: ExportConfig) -> Result<Arc<Shared>, ExportError> {
     let (queue, spans) = mpsc::channel(config.queue.max(1));
     let (flush, flushes) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared::new(config.ratio, queue, flush));
-    let shown = redact_url(&config.endpoint);
+    let shown = crate::redact::redact_userinfo(&config.endpoint);
+    let config = ExportConfig {
+        batch: config.batch.max(1),
+        interval: config.interval.max(Duration::from_millis(1)),
+        ..config
+    };
     tokio::spawn(export(
         Arc::downgrade(&shared),
         config,
@@ -133,12 +139,13 @@ pub(super) fn start(config: ExportConfig) -> Result<Arc<Shared>, ExportError> {
 }
 
 /// How often the exporter takes what is queued. Waking for each span would
-/// cost a task wake-up per job; every 50 ms, a queue of 8,192 holds up to
-/// 160,000 spans a second.
+/// cost a task wake-up per job; every 50 ms, a queue of 32,768 holds up to
+/// 650,000 spans a second.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
-/// The exporter task; it ends when the last [`super::Tracer`] is dropped
-/// (after posting what was queued).
+/// The exporter task; it ends when the last [`super::Tracer`] is dropped,
+/// after posting at most one more batch: call [`super::Tracer::flush`]
+/// first to send everything queued (the CLI does, at shutdown).
 async fn export(
     shared: std::sync::Weak<Shared>,
     config: ExportConfig,
@@ -152,6 +159,9 @@ async fn export(
     // most `interval` for company.
     let mut oldest: Option<Instant> = None;
     let mut warned: Option<Instant> = None;
+    // Spans dropped for a full queue (counted by `Tracer::end`), as last seen.
+    let mut dropped_seen = 0u64;
+    let mut warned_full: Option<Instant> = None;
     let mut drain = tokio::time::interval(DRAIN_EVERY.min(config.interval));
     drain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -162,6 +172,17 @@ async fn export(
                 Some(request) => flushed = Some(request),
                 None => return,
             },
+        }
+        if let Some(shared) = shared.upgrade() {
+            let dropped = shared.dropped.load(Ordering::Relaxed);
+            if dropped > dropped_seen
+                && warned_full.is_none_or(|at| at.elapsed() >= Duration::from_secs(30))
+            {
+                warned_full = Some(Instant::now());
+                warn!(endpoint = %shown, dropped_total = dropped,
+                    "tracing: spans were dropped (the export queue was full or a post failed; said at most every 30 s)");
+            }
+            dropped_seen = dropped;
         }
         let mut closed = false;
         loop {
@@ -314,8 +335,9 @@ pub fn encode(service_name: &str, spans: &[Span]) -> Vec<u8> {
             push_hex(&mut out, &link.trace_id);
             out.push_str(r#"","spanId":""#);
             push_hex(&mut out, &link.span_id);
-            // The low byte: the W3C flags; 0x100: the link's parent is known to be remote.
-            let _ = write!(out, r#"","flags":{}}}]"#, u32::from(link.flags) | 0x100);
+            // The low byte: the W3C flags; 0x100: whether the link's
+            // context is remote is known, 0x200: it is (the enqueue's).
+            let _ = write!(out, r#"","flags":{}}}]"#, u32::from(link.flags) | 0x300);
         }
         match &s.error {
             None => out.push_str(r#","status":{"code":1}}"#),

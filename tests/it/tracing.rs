@@ -810,3 +810,54 @@ fn tracing_a_bad_endpoint_or_ratio_is_refused_at_start() {
         );
     }
 }
+
+/// OpenTelemetry variables set for other SDKs on the host (an empty
+/// endpoint, another sampler's argument) never stop a start with tracing
+/// off; `--help` never prints the endpoint's secret; a token alone as the
+/// URL's user part is hidden too.
+#[test]
+fn tracing_settings_meant_for_others_never_stop_a_start_nor_leak() {
+    let out = harness::almanac()
+        .args(["work", "--help"])
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://u:otlpS3cretPw@collector:4318",
+        )
+        .output()
+        .unwrap();
+    let help = harness::text(&out.stdout);
+    assert!(help.contains("--otlp-endpoint"), "{help}");
+    assert!(!help.contains("otlpS3cretPw"), "{help}");
+
+    let out = harness::almanac()
+        .args(["work", "--handler", "k=true"])
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        .env(
+            "OTEL_TRACES_SAMPLER_ARG",
+            "endpoint=http://jaeger:14250,pollingIntervalMs=5000",
+        )
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = harness::text(&out.stderr);
+    assert!(
+        stderr.contains("cannot connect to database"),
+        "the start went past the tracing settings to the database: {stderr}"
+    );
+
+    let out = harness::almanac()
+        .args([
+            "work",
+            "--handler",
+            "k=true",
+            "--otlp-endpoint",
+            "https://t0kenS3cret@collector",
+        ])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = harness::text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("only http:// is supported"), "{stderr}");
+    assert!(!stderr.contains("t0kenS3cret"), "{stderr}");
+}
