@@ -764,19 +764,19 @@ DECLARE
     v_kind text;
     v_released integer := 0;
 BEGIN
-    SELECT array_agg(c.id) INTO v_ids
-    FROM (SELECT (SELECT h.id FROM almanac.jobs AS h
-                  WHERE h.kind = k.kind AND h.ordering_key = k.key AND h.status = 'held'
-                  ORDER BY h.id LIMIT 1) AS id
-          FROM unnest(p_kinds, p_keys) AS k(kind, key)
-          WHERE NOT EXISTS (
-              SELECT 1 FROM almanac.jobs AS b
-              WHERE b.kind = k.kind AND b.ordering_key = k.key
-                AND b.status IN ('ready', 'running', 'dead')
-                AND (b.status <> 'dead'
-                     OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
-                                  WHERE o.kind = k.kind), false)))) AS c
-    WHERE c.id IS NOT NULL;
+    SELECT array_agg(h.id) INTO v_ids
+    FROM unnest(p_kinds, p_keys) AS k(kind, key)
+    CROSS JOIN LATERAL (
+        SELECT j.id FROM almanac.jobs AS j
+        WHERE j.kind = k.kind AND j.ordering_key = k.key AND j.status = 'held'
+        ORDER BY j.id LIMIT 1) AS h
+    WHERE (SELECT 1 FROM almanac.jobs AS b
+           WHERE b.kind = k.kind AND b.ordering_key = k.key
+             AND b.status IN ('ready', 'running', 'dead')
+             AND (b.status <> 'dead'
+                  OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                               WHERE o.kind = k.kind), false))
+           LIMIT 1) IS NULL;
     IF v_ids IS NULL THEN
         RETURN 0;
     END IF;
