@@ -124,38 +124,35 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         .application_name("almanac-bench");
     let pool = db::connect_with(options.clone(), (args.connections as u32 + 2).max(12)).await?;
     db::migrate(&pool).await?;
+    // The scratch database is dropped whatever the outcome.
+    let scratch = (pool, base, name);
     if args.tracing_only {
-        let result = traced::measure(&pool, args.jobs).await;
-        pool.close().await;
-        drop_database(&base, &name).await;
-        let report = result?;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            traced::print_table(&report);
-        }
-        return Ok(());
+        let result = traced::measure(&scratch.0, args.jobs).await;
+        return report(scratch, result, args.json, traced::print_table).await;
     }
     if args.ordering_only {
-        let result = ordered::measure(&pool, args.jobs).await;
-        pool.close().await;
-        drop_database(&base, &name).await;
-        let report = result?;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            ordered::print_table(&report);
-        }
-        return Ok(());
+        let result = ordered::measure(&scratch.0, args.jobs).await;
+        return report(scratch, result, args.json, ordered::print_table).await;
     }
-    let result = measure(&pool, &args).await;
+    let result = measure(&scratch.0, &args).await;
+    report(scratch, result, args.json, print_table).await
+}
+
+/// Drops the scratch database, then prints `result` as one JSON object or
+/// as a table.
+async fn report<R: Serialize>(
+    (pool, base, name): (PgPool, sqlx::postgres::PgConnectOptions, String),
+    result: anyhow::Result<R>,
+    json: bool,
+    table: fn(&R),
+) -> anyhow::Result<()> {
     pool.close().await;
     drop_database(&base, &name).await;
     let report = result?;
-    if args.json {
+    if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&report);
+        table(&report);
     }
     Ok(())
 }
@@ -357,13 +354,20 @@ fn unbinding_limits() -> [(&'static str, Limits); 5] {
 /// `n` ready no-op jobs, due now, in one statement; each has a payload
 /// with a key of its own (`customer`, for the per-key limit).
 async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
+    fill_with(pool, n, "jsonb_build_object('customer', g)", "NULL").await
+}
+
+/// [`fill`] with each job's payload and traceparent given as SQL over
+/// `g`, its number.
+async fn fill_with(pool: &PgPool, n: u64, payload: &str, traceparent: &str) -> anyhow::Result<()> {
     sqlx::query("DELETE FROM almanac.jobs")
         .execute(pool)
         .await?;
-    sqlx::query(
-        "INSERT INTO almanac.jobs (kind, run_at, payload) \
-         SELECT $1, now() - interval '1 second', jsonb_build_object('customer', g) FROM generate_series(1, $2) AS g",
-    )
+    sqlx::query(&format!(
+        "INSERT INTO almanac.jobs (kind, run_at, payload, traceparent) \
+         SELECT $1, now() - interval '1 second', {payload}, {traceparent} \
+         FROM generate_series(1, $2) AS g"
+    ))
     .bind(KIND)
     .bind(n as i64)
     .execute(pool)

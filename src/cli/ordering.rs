@@ -103,7 +103,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                     Some(p) => format!("the key given at enqueue, else the payload at {p}"),
                     None => "the key given at enqueue".to_string(),
                 },
-                match stored.on_dead.0 {
+                match stored.on_dead {
                     OnDead::Halt => "holds the jobs after it until it is retried or deleted",
                     OnDead::Skip => "lets the next one run",
                 },
@@ -140,7 +140,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                         "{:<24} {:<20} {:<7} {:>7} {:<21} {}",
                         k.kind,
                         k.key_pointer.as_deref().unwrap_or("-"),
-                        k.on_dead.0,
+                        k.on_dead,
                         k.held,
                         k.set_at.format("%Y-%m-%dT%H:%M:%SZ"),
                         k.set_by

@@ -4,9 +4,8 @@
 use sqlx::{Connection, PgConnection};
 
 use super::audit::{self, Action};
-use super::{Actor, ControlError};
+use super::{wake, Actor, ControlError};
 use crate::queue::limits::{self, KindLimits, Limits};
-use crate::queue::NOTIFY_CHANNEL;
 
 /// Sets `kind`'s limits, replacing any it had; they hold for every claim
 /// that starts after this commits. Workers waiting for work are woken, so
@@ -56,14 +55,4 @@ pub async fn clear(
     wake(&mut tx, kind).await?;
     tx.commit().await?;
     Ok(Some(removed))
-}
-
-/// The enqueue `NOTIFY` for `kind`, delivered at commit.
-async fn wake(tx: &mut PgConnection, kind: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(NOTIFY_CHANNEL)
-        .bind(kind)
-        .execute(tx)
-        .await
-        .map(drop)
 }

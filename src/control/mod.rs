@@ -33,6 +33,17 @@ pub mod schedules;
 
 use serde::Serialize;
 
+/// The enqueue `NOTIFY` for `kind`, delivered at commit: workers waiting
+/// for work claim at once (after a limit loosens, held jobs are released).
+async fn wake(tx: &mut sqlx::PgConnection, kind: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(crate::queue::NOTIFY_CHANNEL)
+        .bind(kind)
+        .execute(tx)
+        .await
+        .map(drop)
+}
+
 /// Where an action came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

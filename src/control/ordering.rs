@@ -49,7 +49,7 @@ pub async fn clear(
         return Ok(None);
     };
     let target = format!("kind {kind}");
-    let note = format!("was on dead {}{}", had.on_dead.0, released_note(released));
+    let note = format!("was on dead {}{}", had.on_dead, released_note(released));
     let action = Action {
         action: "ordering clear",
         target: &target,
@@ -58,11 +58,7 @@ pub async fn clear(
     };
     audit::record(&mut tx, actor, &action).await?;
     if released > 0 {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(crate::queue::NOTIFY_CHANNEL)
-            .bind(kind)
-            .execute(&mut *tx)
-            .await?;
+        super::wake(&mut tx, kind).await?;
     }
     tx.commit().await?;
     Ok(Some((had, released)))

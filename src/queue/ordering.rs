@@ -121,22 +121,18 @@ pub struct KindOrdering {
     /// A job enqueued without a key takes the payload's value here.
     pub key_pointer: Option<String>,
     #[sqlx(try_from = "String")]
-    pub on_dead: OnDeadText,
+    pub on_dead: OnDead,
     pub set_at: DateTime<Utc>,
     pub set_by: String,
     /// Jobs of the kind held behind an earlier job of their key now.
     pub held: i64,
 }
 
-/// [`OnDead`] as the column stores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(transparent)]
-pub struct OnDeadText(pub OnDead);
-
-impl TryFrom<String> for OnDeadText {
+/// As the column stores it.
+impl TryFrom<String> for OnDead {
     type Error = QueueError;
     fn try_from(s: String) -> Result<Self, Self::Error> {
-        s.parse().map(OnDeadText)
+        s.parse()
     }
 }
 

@@ -805,3 +805,53 @@ async fn bad_ordering_and_trace_input_is_refused_with_nothing_inserted(pool: PgP
         .unwrap();
     assert_eq!(stored.as_deref(), Some(tp));
 }
+
+/// What docs/ordering.md promises an operator sees of held jobs: `stats`
+/// and `jobs list --status held` list them, `/metrics` counts them
+/// (`almanac_jobs{status="held"}`), and a cancel ends one at once.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn held_jobs_show_in_stats_jobs_list_and_metrics(pool: PgPool) {
+    order_kind(&pool, OnDead::Halt).await;
+    enqueue_key(&pool, "k").await;
+    let b = enqueue_key(&pool, "k").await;
+    let c = enqueue_key(&pool, "k").await;
+
+    let out = harness::operator(&pool, &["stats"]);
+    let stats = harness::text(&out.stdout);
+    assert!(
+        stats.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f == ["ordered", "held", "2"]
+        }),
+        "{stats}"
+    );
+    let out = harness::operator(&pool, &["jobs", "list", "--status", "held"]);
+    let list = harness::text(&out.stdout);
+    for id in [b, c] {
+        assert!(
+            list.lines()
+                .any(|l| l.split_whitespace().next() == Some(&id.to_string())),
+            "job {id} in:\n{list}"
+        );
+    }
+
+    let metrics = almanac::metrics::Metrics::new();
+    let collector = almanac::stats::Collector::new(pool.clone(), Default::default())
+        .with_metrics(metrics.clone());
+    collector.run_once(&CancellationToken::new()).await.unwrap();
+    let held = crate::harness::http::sample(
+        &metrics.render(),
+        "almanac_jobs",
+        &[("kind", KIND), ("status", "held")],
+    );
+    assert_eq!(held, Some(2.0));
+
+    let out = harness::operator(&pool, &["jobs", "cancel", &c.to_string()]);
+    assert!(out.status.success(), "{}", harness::text(&out.stderr));
+    assert_eq!(status(&pool, c).await, JobStatus::Cancelled);
+    assert_eq!(
+        status(&pool, b).await,
+        JobStatus::Held,
+        "b still waits for its head"
+    );
+}

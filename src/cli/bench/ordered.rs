@@ -11,7 +11,7 @@
 use serde::Serialize;
 use sqlx::PgPool;
 
-use super::{burn, median, vacuum, KIND};
+use super::{burn, fill_with, median, vacuum, KIND};
 use crate::control::{Actor, Source};
 use crate::queue::ordering::OnDead;
 use crate::worker::WorkerConfig;
@@ -33,21 +33,8 @@ pub struct Report {
 /// `n` ready no-op jobs, their payload's `key` one of [`KEYS`] (round
 /// robin); an ordered kind holds all but each key's first.
 async fn fill_keyed(pool: &PgPool, n: u64) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs")
-        .execute(pool)
-        .await?;
-    sqlx::query(
-        "INSERT INTO almanac.jobs (kind, run_at, payload) \
-         SELECT $1, now() - interval '1 second', jsonb_build_object('key', 'k' || (g % $3)) \
-         FROM generate_series(1, $2) AS g",
-    )
-    .bind(KIND)
-    .bind(n as i64)
-    .bind(KEYS)
-    .execute(pool)
-    .await?;
-    sqlx::query("ANALYZE almanac.jobs").execute(pool).await?;
-    Ok(())
+    let payload = format!("jsonb_build_object('key', 'k' || (g % {KEYS}))");
+    fill_with(pool, n, &payload, "NULL").await
 }
 
 pub async fn measure(pool: &PgPool, jobs: u64) -> anyhow::Result<Report> {

@@ -16,11 +16,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use serde::Serialize;
 use sqlx::PgPool;
 
-use super::{burn_with, median, vacuum, KIND};
+use super::{burn_with, fill_with, median, vacuum};
 use crate::telemetry::{ExportConfig, Tracer};
 use crate::worker::WorkerConfig;
 
@@ -69,22 +68,13 @@ async fn receiver() -> anyhow::Result<(String, Arc<AtomicU64>)> {
 
 /// `n` due jobs, each with a traceparent of its own.
 async fn fill_traced(pool: &PgPool, n: u64) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs")
-        .execute(pool)
-        .await?;
-    sqlx::query(
-        "INSERT INTO almanac.jobs (kind, run_at, payload, traceparent) \
-         SELECT $1, now() - interval '1 second', jsonb_build_object('customer', g), \
-                '00-' || md5(g::text) || '-' || left(md5('s' || g), 16) || '-01' \
-         FROM generate_series(1, $2) AS g",
+    fill_with(
+        pool,
+        n,
+        "jsonb_build_object('customer', g)",
+        "'00-' || md5(g::text) || '-' || left(md5('s' || g), 16) || '-01'",
     )
-    .bind(KIND)
-    .bind(n as i64)
-    .execute(pool)
     .await
-    .context("filling the scratch queue with traced jobs")?;
-    sqlx::query("ANALYZE almanac.jobs").execute(pool).await?;
-    Ok(())
 }
 
 pub async fn measure(pool: &PgPool, jobs: u64) -> anyhow::Result<Report> {
