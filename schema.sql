@@ -365,7 +365,7 @@ BEGIN
                 coalesce(enqueue_many.priorities[array_lower(enqueue_many.priorities, 1)], 0),
                 enqueue_many.ordering_keys[array_lower(enqueue_many.ordering_keys, 1)],
                 enqueue_many.traceparents[array_lower(enqueue_many.traceparents, 1)])
-        ON CONFLICT (idempotency_key) DO NOTHING
+        ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
         RETURNING j.id, j.kind INTO id, v_kind;
         ord := 1;
         created := FOUND;
@@ -401,7 +401,7 @@ BEGIN
                                   priority, okey, tp, i)
         -- Of jobs with the same key in one call, the first is inserted.
         ORDER BY t.i
-        ON CONFLICT (idempotency_key) DO NOTHING
+        ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
         RETURNING j.id, j.kind, j.idempotency_key
     )
     SELECT array_agg(ins.id ORDER BY ins.id), array_agg(ins.idempotency_key ORDER BY ins.id),
@@ -938,7 +938,8 @@ CREATE TABLE almanac.jobs (
     CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
     CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text])))
-);
+)
+WITH (fillfactor='60');
 
 
 --
@@ -1264,14 +1265,6 @@ ALTER TABLE ONLY almanac.consumer_marks
 
 
 --
--- Name: jobs jobs_idempotency_key_key; Type: CONSTRAINT; Schema: almanac; Owner: -
---
-
-ALTER TABLE ONLY almanac.jobs
-    ADD CONSTRAINT jobs_idempotency_key_key UNIQUE (idempotency_key);
-
-
---
 -- Name: jobs jobs_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
 --
 
@@ -1436,17 +1429,17 @@ CREATE INDEX jobs_done_finished_idx ON almanac.jobs USING btree (finished_at) WH
 
 
 --
+-- Name: jobs_idempotency_key_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE UNIQUE INDEX jobs_idempotency_key_idx ON almanac.jobs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
+
+
+--
 -- Name: jobs_ordering_status_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
 CREATE INDEX jobs_ordering_status_idx ON almanac.jobs USING btree (kind, ordering_key, status, id) WHERE ((ordering_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'running'::text, 'held'::text, 'dead'::text])));
-
-
---
--- Name: jobs_ready_due_idx; Type: INDEX; Schema: almanac; Owner: -
---
-
-CREATE INDEX jobs_ready_due_idx ON almanac.jobs USING btree (run_at, id) WHERE (status = 'ready'::text);
 
 
 --

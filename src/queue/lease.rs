@@ -151,11 +151,11 @@ pub const PER_KEY_WINDOW: i64 = 1000;
 ///   kind, so it read every future job of the kind): with the range, `ORDER
 ///   BY kind, run_at, id` is an order only that index gives, and a skewed
 ///   table (one kind's backlog, few rows of the others) cannot make the
-///   planner walk `jobs_ready_due_idx` past other kinds' rows or sort the
-///   kind's rows. The route is tested as `coalesce(route, '') <> 'broker'`
-///   (`route` is never NULL): an expression without statistics, so the
-///   share of broker rows in the whole table does not make the planner
-///   expect a long walk.
+///   planner sort the kind's rows (or, before migration 0126 dropped it,
+///   walk `jobs_ready_due_idx` past other kinds' rows). The route is
+///   tested as `coalesce(route, '') <> 'broker'` (`route` is never
+///   NULL): an expression without statistics, so the share of broker rows
+///   in the whole table does not make the planner expect a long walk.
 /// - The update takes the picked ids as an array: primary-key lookups
 ///   whatever the estimates (the generic plan, not knowing the limit,
 ///   hash-joined a scan of the whole table).

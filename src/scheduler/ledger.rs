@@ -406,7 +406,7 @@ pub async fn record_in(
                    p.max_attempts, p.key, r.schedule, r.logical_run, p.priority, p.traceparent
             FROM recorded r JOIN planned p USING (schedule, logical_run)
             WHERE r.job_id IS NOT NULL
-            ON CONFLICT (idempotency_key) DO NOTHING
+            ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
             RETURNING kind
         ), notified AS (
             SELECT pg_notify($10, k.kind) FROM (SELECT DISTINCT kind FROM emitted) k

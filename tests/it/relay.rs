@@ -289,17 +289,12 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
             .collect();
         queue::enqueue_many(&mut conn, &batch).await.unwrap();
     }
-    eventually("5,000 jobs done", Duration::from_secs(240), || async {
-        count(
-            &pool,
-            "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
-        )
-        .await
-            == 5000
+    eventually("5,000 jobs done", Duration::from_secs(240), || {
+        race_state(&pool, |done, _| done == 5000)
     })
     .await;
-    eventually("the outbox to drain", Duration::from_secs(60), || async {
-        unpublished(&pool).await == 0
+    eventually("the outbox to drain", Duration::from_secs(60), || {
+        race_state(&pool, |_, unpublished| unpublished == 0)
     })
     .await;
     stop.cancel();
@@ -314,6 +309,41 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
     assert_each_job_ran_once(&pool, 5000).await;
     let by_workers = count(&pool, "SELECT count(*) FROM exec_log WHERE worker = 0").await;
     assert_eq!(by_workers + by_consumers as i64, 5000);
+}
+
+/// Whether `holds(done jobs, unpublished outbox rows)`; if not, what the
+/// race looks like (jobs by status, expired leases, outbox rows), for the
+/// message of a timed-out wait.
+async fn race_state(pool: &PgPool, holds: impl Fn(i64, i64) -> bool) -> Result<(), String> {
+    let done = count(
+        pool,
+        "SELECT count(*) FROM almanac.jobs WHERE status = 'done'",
+    )
+    .await;
+    let unpublished = unpublished(pool).await;
+    if holds(done, unpublished) {
+        return Ok(());
+    }
+    let (statuses, expired, outbox): (String, i64, String) = sqlx::query_as(
+        r#"
+        SELECT (SELECT string_agg(status || ' ' || n, ', ' ORDER BY status)
+                  FROM (SELECT status, count(*) AS n FROM almanac.jobs GROUP BY status) s),
+               (SELECT count(*) FROM almanac.jobs
+                 WHERE status = 'running' AND lease_until < clock_timestamp()),
+               (SELECT format('%s unpublished (%s in flight, %s failed), %s published',
+                              count(*) FILTER (WHERE published_at IS NULL),
+                              (SELECT count(*) FROM almanac.outbox_batches WHERE published_at IS NULL),
+                              count(*) FILTER (WHERE failed_at IS NOT NULL),
+                              count(*) FILTER (WHERE published_at IS NOT NULL))
+                  FROM almanac.outbox)
+        "#,
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    Err(format!(
+        "jobs: {statuses}; {expired} running with an expired lease; outbox: {outbox}"
+    ))
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
