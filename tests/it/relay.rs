@@ -293,7 +293,7 @@ async fn dual_mode_race_runs_every_job_exactly_once(pool: PgPool, sink: SinkKind
         race_state(&pool, |done, _| done == 5000)
     })
     .await;
-    eventually("the outbox to drain", Duration::from_secs(60), || {
+    eventually("the outbox to drain", Duration::from_secs(180), || {
         race_state(&pool, |_, unpublished| unpublished == 0)
     })
     .await;
