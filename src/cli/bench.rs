@@ -43,6 +43,7 @@ use crate::worker::{JobContext, Worker, WorkerConfig};
 
 mod enqueue;
 mod ordered;
+mod retention;
 mod traced;
 
 #[derive(Debug, clap::Args)]
@@ -69,8 +70,14 @@ pub struct Args {
     #[arg(long, conflicts_with = "ordering_only")]
     tracing_only: bool,
     /// Only the ordering figure (200 keys beside unordered), nothing else.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "retention_only")]
     ordering_only: bool,
+    /// Only the retention figures: `--retention-rate` jobs a second for
+    /// `--retention-minutes` under the default worker and janitor.
+    #[arg(long, conflicts_with = "tracing_only")]
+    retention_only: bool,
+    #[command(flatten)]
+    retention: retention::RetentionArgs,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -133,6 +140,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if args.ordering_only {
         let result = ordered::measure(&scratch.0, args.jobs).await;
         return report(scratch, result, args.json, ordered::print_table).await;
+    }
+    if args.retention_only {
+        let result = retention::measure(&scratch.0, &args.retention).await;
+        return report(scratch, result, args.json, retention::print_table).await;
     }
     let result = measure(&scratch.0, &args).await;
     report(scratch, result, args.json, print_table).await

@@ -6,7 +6,12 @@
 //! It deletes in batches of `batch_size` rows (oldest first, SKIP LOCKED, one
 //! short transaction each) with `pause` between batches, so it never holds
 //! many row locks at once nor writes a burst of WAL that replicas and
-//! autovacuum must swallow in one go. Several janitors may run; they skip each
+//! autovacuum must swallow in one go. Except when it is behind: while the
+//! jobs a batch deleted had been past their retention for longer than one
+//! `interval`, the next batch follows without a pause. A queue that
+//! finishes more jobs a second than `batch_size` per `pause` (10,000 by
+//! default) would otherwise grow without bound; catching up comes first,
+//! spreading the load second (`almanac bench --retention-only` measures it). Several janitors may run; they skip each
 //! other's rows. It never deletes ledger rows (`schedule_runs`): a deleted
 //! job leaves its logical run recorded, so the run is never emitted again.
 
@@ -107,25 +112,28 @@ impl Janitor {
         self
     }
 
-    async fn delete_batch(&self, target: Target) -> Result<u64, JanitorError> {
+    /// One batch: the rows deleted, and whether the janitor is behind
+    /// (see the module doc).
+    async fn delete_batch(&self, target: Target) -> Result<(u64, bool), JanitorError> {
         let limit = self.config.batch_size;
-        let (what, deleted) = match target {
+        let (what, deleted, behind) = match target {
             Target::Jobs(status, what) => {
                 let retention = match status {
                     JobStatus::Done => self.config.done_retention,
                     _ => self.config.dead_retention,
                 };
-                let n = queue::delete_finished(&self.pool, status, retention, limit).await?;
-                (what, n)
+                let d = queue::delete_finished(&self.pool, status, retention, limit).await?;
+                let behind = d.behind.is_some_and(|b| b > self.config.interval);
+                (what, d.rows, behind)
             }
             Target::Outbox => {
                 let n = outbox::delete_published(&self.pool, self.config.outbox_retention, limit)
                     .await?;
-                ("outbox", n)
+                ("outbox", n, false)
             }
         };
         self.metrics.record_janitor_deleted(what, deleted);
-        Ok(deleted)
+        Ok((deleted, behind))
     }
 }
 
@@ -153,7 +161,7 @@ impl Periodic for Janitor {
                 if shutdown.is_cancelled() {
                     return Ok(report);
                 }
-                let deleted = self.delete_batch(target).await?;
+                let (deleted, behind) = self.delete_batch(target).await?;
                 report.batches += 1;
                 match target {
                     Target::Jobs(JobStatus::Done, _) => report.done += deleted,
@@ -163,6 +171,9 @@ impl Periodic for Janitor {
                 }
                 if (deleted as i64) < self.config.batch_size {
                     break;
+                }
+                if behind {
+                    continue;
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(report),

@@ -80,7 +80,7 @@ pub use lease::{
     statuses, unclaim, Claim, ClaimById, Failure, Fenced, ReapReport, Written, CLAIM_SQL,
     PER_KEY_WINDOW, PRIORITY_STEP,
 };
-pub use retention::delete_finished;
+pub use retention::{delete_finished, Deleted};
 
 /// `text` as PostgreSQL can store it: a NUL byte (which a command may write
 /// to stderr) is refused in `text` columns, and an outcome that can never be

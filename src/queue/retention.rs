@@ -10,15 +10,25 @@ use sqlx::PgExecutor;
 
 use super::{JobStatus, QueueError};
 
+/// What one [`delete_finished`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Deleted {
+    /// Jobs deleted.
+    pub rows: u64,
+    /// How long the newest of them had been past its retention: how far
+    /// behind the deletions are (`None` when nothing was deleted).
+    pub behind: Option<Duration>,
+}
+
 /// Deletes at most `limit` jobs in `status` (`done`, `dead` or `cancelled`) that finished
 /// more than `older_than` ago, oldest first, skipping rows another session
-/// holds. Returns how many went.
+/// holds.
 pub async fn delete_finished<'e>(
     db: impl PgExecutor<'e>,
     status: JobStatus,
     older_than: Duration,
     limit: i64,
-) -> Result<u64, QueueError> {
+) -> Result<Deleted, QueueError> {
     assert!(
         matches!(
             status,
@@ -26,20 +36,28 @@ pub async fn delete_finished<'e>(
         ),
         "only finished jobs are deleted"
     );
-    let deleted = sqlx::query(
+    let (rows, behind): (i64, Option<f64>) = sqlx::query_as(
         r#"
-        DELETE FROM almanac.jobs WHERE id = ANY(ARRAY(
-            SELECT id FROM almanac.jobs
-             WHERE status = $1 AND finished_at < now() - make_interval(secs => $2)
-             ORDER BY finished_at
-             LIMIT $3
-             FOR UPDATE SKIP LOCKED))
+        WITH gone AS (
+            DELETE FROM almanac.jobs WHERE id = ANY(ARRAY(
+                SELECT id FROM almanac.jobs
+                 WHERE status = $1 AND finished_at < now() - make_interval(secs => $2)
+                 ORDER BY finished_at
+                 LIMIT $3
+                 FOR UPDATE SKIP LOCKED))
+            RETURNING finished_at)
+        SELECT count(*),
+               extract(epoch FROM now() - make_interval(secs => $2) - max(finished_at))::float8
+        FROM gone
         "#,
     )
     .bind(status)
     .bind(older_than.as_secs_f64())
     .bind(limit)
-    .execute(db)
+    .fetch_one(db)
     .await?;
-    Ok(deleted.rows_affected())
+    Ok(Deleted {
+        rows: rows as u64,
+        behind: behind.map(|s| Duration::from_secs_f64(s.max(0.0))),
+    })
 }

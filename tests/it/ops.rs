@@ -499,6 +499,80 @@ async fn the_janitor_deletes_exactly_what_retention_says_in_batches(pool: PgPool
     assert_eq!((again.done, again.dead, again.outbox), (0, 0, 0));
 }
 
+/// A janitor that is behind does not pause: 5,000 done jobs that came due
+/// hours ago go in one pass of full batches with no pause between them,
+/// though the pause is an hour (issue #26 item 2: a queue finishing more
+/// jobs a second than a batch per pause would otherwise outgrow its
+/// retention for good). Jobs that came due within the last interval are
+/// left to pauses as before: the pass stops after their first batch.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_janitor_that_is_behind_deletes_without_pausing(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO almanac.jobs (kind, status, finished_at)
+         SELECT 'report', 'done', now() - interval '3 hours' + g * interval '1 millisecond'
+         FROM generate_series(1, 5000) AS g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let janitor = Janitor::new(
+        pool.clone(),
+        JanitorConfig {
+            batch_size: 1000,
+            pause: Duration::from_secs(3600),
+            interval: Duration::from_secs(60),
+            done_retention: Duration::from_secs(3600),
+            ..JanitorConfig::default()
+        }
+        .validated()
+        .unwrap(),
+    );
+    let report = tokio::time::timeout(
+        Duration::from_secs(120),
+        janitor.run_once(&CancellationToken::new()),
+    )
+    .await
+    .expect("a janitor behind by hours paused between its batches")
+    .unwrap();
+    assert_eq!((report.done, report.batches), (5000, 9));
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
+
+    // Due for 30 s, less than the 60 s interval: not behind, so after a
+    // full batch the pass pauses (an hour), and stops here when shut down.
+    sqlx::query(
+        "INSERT INTO almanac.jobs (kind, status, finished_at)
+         SELECT 'report', 'done', now() - interval '3630 seconds'
+         FROM generate_series(1, 1500)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let pass = janitor.run_once(&shutdown);
+    tokio::pin!(pass);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count(&pool, "SELECT count(*) FROM almanac.jobs").await != 500 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first batch never went"
+        );
+        // The pass runs meanwhile; it must not end (it pauses for an hour).
+        if let Ok(report) = tokio::time::timeout(Duration::from_millis(50), &mut pass).await {
+            panic!("the pass ended without pausing: {report:?}");
+        }
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut pass)
+            .await
+            .is_err(),
+        "a janitor not behind pauses after a full batch"
+    );
+    shutdown.cancel();
+    let report = pass.await.unwrap();
+    assert_eq!(report.done, 1000);
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 500);
+}
+
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn janitor_once_prints_what_it_deleted(pool: PgPool) {
     finished_job(&pool, "report", "done", 10).await;
