@@ -367,6 +367,24 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
             24 * 60 + 1,
         ),
         (
+            "the daily calendar's ledger rows",
+            ledger::ROWS_BETWEEN_SQL,
+            "text, timestamptz, timestamptz",
+            format!(
+                "'daily', {}, {}",
+                literal(now - chrono::Duration::days(history::CALENDAR_DAYS)),
+                literal(now + minute)
+            ),
+            history::CALENDAR_DAYS + 1,
+        ),
+        (
+            "20 years of gaps' ledger rows",
+            ledger::ROWS_BETWEEN_SQL,
+            "text, timestamptz, timestamptz",
+            format!("'daily', {}, {}", literal(years_ago), literal(now + minute)),
+            DAILY_YEARS * 365 + 1,
+        ),
+        (
             "where history begins",
             backfill::HISTORY_SINCE_SQL,
             "text",
