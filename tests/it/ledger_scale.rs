@@ -345,6 +345,27 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
         now - chrono::Duration::minutes(OTHER_SKIPPED)
     );
 
+    // The per-schedule figures (`almanac stats`, the metrics, and the
+    // dashboard's schedule list and page): every enabled schedule's
+    // calendar at once.
+    let (took, states) = best_of_three(|| {
+        let pool = pool.clone();
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            almanac::stats::snapshot::schedules(&mut conn)
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    eprintln!("figures of every schedule: {took:?}");
+    assert!(took < ANSWER_WITHIN, "the schedules' figures took {took:?}");
+    // At the database's time, a minute or more after `now` on a slow
+    // machine: the minutely schedules' runs since may be missing too.
+    let missing = |name: &str| states.iter().find(|s| s.name == name).unwrap().runs.missing;
+    assert_eq!(missing("daily"), 1);
+    assert!(missing("minutely") >= 2);
+
     // What the statements read: the window, not the ledger.
     let from = now - minute * (history::CALENDAR_RUNS as i32 - 1);
     let window = [
