@@ -21,6 +21,8 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{PgConnection, PgPool};
 
+use crate::harness;
+
 /// Ledger rows of the minutely schedule: about two years of minutes.
 const MINUTELY_RUNS: i64 = 1_000_000;
 /// Runs of the minutely schedule the fill leaves out (minutes before the
@@ -56,13 +58,6 @@ kind = "tick"
     load_sources(&[("scale.toml".into(), text.to_string())]).unwrap()
 }
 
-/// A plan's total of shared buffers (hit and read) at its root, which counts
-/// every node under it.
-fn buffers(plan: &Value) -> i64 {
-    let root = &plan[0]["Plan"];
-    root["Shared Hit Blocks"].as_i64().unwrap() + root["Shared Read Blocks"].as_i64().unwrap()
-}
-
 /// Rows a plan's nodes read from `relation`: those they returned (every
 /// loop) and those their filters removed.
 fn rows_read(node: &Value, relation: &str) -> i64 {
@@ -84,62 +79,22 @@ fn execution_ms(plan: &Value) -> f64 {
     plan[0]["Execution Time"].as_f64().unwrap()
 }
 
-/// `sql` prepared with parameter `types` and explained, run with `values`
-/// (SQL literals), as a custom and as a generic plan, in a transaction
-/// rolled back (`ANALYZE` runs a statement that writes): (mode, plan).
-async fn plans(
-    conn: &mut PgConnection,
-    sql: &str,
-    types: &str,
-    values: &str,
-) -> Vec<(&'static str, Value)> {
-    // Named on its own: sqlx keeps its own prepared statements on the
-    // connection, so none of them is deallocated.
-    let (types, execute) = if types.is_empty() {
-        (String::new(), "EXECUTE scale".to_string())
-    } else {
-        (format!("({types})"), format!("EXECUTE scale ({values})"))
-    };
-    sqlx::raw_sql(&format!("PREPARE scale {types} AS {sql}"))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    for mode in ["force_custom_plan", "force_generic_plan"] {
-        sqlx::raw_sql(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        let plan: Value = sqlx::query_scalar(&format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {execute}"
-        ))
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap();
-        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-        out.push((mode, plan));
-    }
-    sqlx::raw_sql("DEALLOCATE scale")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    out
-}
-
-/// The best of three runs of `run` after one warm-up.
-async fn best_of_three<F, Fut, T>(mut run: F) -> (Duration, T)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    let mut last = run().await;
-    let mut best = Duration::MAX;
-    for _ in 0..3 {
-        let start = Instant::now();
-        last = run().await;
-        best = best.min(start.elapsed());
-    }
-    (best, last)
+/// The value of `$call` (an expression), run once to warm up and then
+/// three times: the best of the three is printed with `$what` and must be
+/// within the figure.
+macro_rules! timed {
+    ($what:expr, $call:expr) => {{
+        let mut value = $call;
+        let mut best = Duration::MAX;
+        for _ in 0..3 {
+            let start = Instant::now();
+            value = $call;
+            best = best.min(start.elapsed());
+        }
+        eprintln!("{}: {best:?}", $what);
+        assert!(best < ANSWER_WITHIN, "{} took {best:?}", $what);
+        value
+    }};
 }
 
 fn literal(t: DateTime<Utc>) -> String {
@@ -232,19 +187,12 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
     let minute = chrono::Duration::minutes(1);
 
     // The calendars: what each cell became, and how long it took.
-    let (took, calendar) = best_of_three(|| {
-        let pool = pool.clone();
-        let minutely = minutely.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            history::calendar_at(&mut conn, &minutely, now)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
-    eprintln!("calendar of the minutely schedule: {took:?}");
-    assert!(took < ANSWER_WITHIN, "the minutely calendar took {took:?}");
+    let calendar = timed!(
+        "calendar of the minutely schedule",
+        history::calendar_at(&mut conn, &minutely, now)
+            .await
+            .unwrap()
+    );
     assert_eq!(calendar.cells.len(), history::CALENDAR_RUNS);
     assert_eq!(calendar.cells.last().unwrap().run.fire_at, now);
     let missing: Vec<DateTime<Utc>> = calendar
@@ -266,17 +214,10 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
         .count();
     assert_eq!((done, skipped), (214, 24), "{:?}", calendar.cells);
 
-    let (took, calendar) = best_of_three(|| {
-        let pool = pool.clone();
-        let daily = daily.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            history::calendar_at(&mut conn, &daily, now).await.unwrap()
-        }
-    })
-    .await;
-    eprintln!("calendar of the daily schedule: {took:?}");
-    assert!(took < ANSWER_WITHIN, "the daily calendar took {took:?}");
+    let calendar = timed!(
+        "calendar of the daily schedule",
+        history::calendar_at(&mut conn, &daily, now).await.unwrap()
+    );
     // 90 runs; 91 when the window opens on a run's very minute.
     let days = history::CALENDAR_DAYS as usize;
     assert!((days..=days + 1).contains(&calendar.cells.len()));
@@ -294,51 +235,31 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
 
     // `gaps`: the minutely schedule's last day, the daily one's 20 years.
     let day_ago = now - chrono::Duration::days(1);
-    let (took, gaps) = best_of_three(|| {
-        let pool = pool.clone();
-        let minutely = minutely.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            backfill::gaps_at(&mut conn, &minutely, day_ago, now + minute, now)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
-    eprintln!("gaps over the minutely schedule's last day: {took:?}");
-    assert!(took < ANSWER_WITHIN, "gaps over a day took {took:?}");
+    let gaps = timed!(
+        "gaps over the minutely schedule's last day",
+        backfill::gaps_at(&mut conn, &minutely, day_ago, now + minute, now)
+            .await
+            .unwrap()
+    );
     let found: Vec<DateTime<Utc>> = gaps.iter().map(|r| r.fire_at).collect();
     assert_eq!(
         found,
         vec![now - minute * 1_000, now - minute * 100, now - minute * 10]
     );
     let years_ago = now - chrono::Duration::days(DAILY_YEARS * 365);
-    let (took, gaps) = best_of_three(|| {
-        let pool = pool.clone();
-        let daily = daily.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            backfill::gaps_at(&mut conn, &daily, years_ago, now + minute, now)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
-    eprintln!("gaps over the daily schedule's 20 years: {took:?}");
-    assert!(took < ANSWER_WITHIN, "gaps over 20 years took {took:?}");
+    let gaps = timed!(
+        "gaps over the daily schedule's 20 years",
+        backfill::gaps_at(&mut conn, &daily, years_ago, now + minute, now)
+            .await
+            .unwrap()
+    );
     assert_eq!(gaps.len(), DAILY_HOLES.len(), "{gaps:?}");
 
     // The latest emitted run of each schedule (the schedule list and page).
-    let (took, emitted) = best_of_three(|| {
-        let pool = pool.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            history::last_emitted(&mut conn).await.unwrap()
-        }
-    })
-    .await;
-    eprintln!("last emitted run of each schedule: {took:?}");
-    assert!(took < ANSWER_WITHIN, "the last emitted runs took {took:?}");
+    let emitted = timed!(
+        "last emitted run of each schedule",
+        history::last_emitted(&mut conn).await.unwrap()
+    );
     assert_eq!(emitted["minutely"].1, now);
     assert_eq!(
         emitted["other"].1,
@@ -348,18 +269,12 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
     // The per-schedule figures (`almanac stats`, the metrics, and the
     // dashboard's schedule list and page): every enabled schedule's
     // calendar at once.
-    let (took, states) = best_of_three(|| {
-        let pool = pool.clone();
-        async move {
-            let mut conn = pool.acquire().await.unwrap();
-            almanac::stats::snapshot::schedules(&mut conn)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
-    eprintln!("figures of every schedule: {took:?}");
-    assert!(took < ANSWER_WITHIN, "the schedules' figures took {took:?}");
+    let states = timed!(
+        "figures of every schedule",
+        almanac::stats::snapshot::schedules(&mut conn)
+            .await
+            .unwrap()
+    );
     // At the database's time, a minute or more after `now` on a slow
     // machine: the minutely schedules' runs since may be missing too.
     let missing = |name: &str| states.iter().find(|s| s.name == name).unwrap().runs.missing;
@@ -421,8 +336,8 @@ async fn the_calendar_and_gaps_read_their_window_of_a_million_ledger_rows(pool: 
         ),
     ];
     for (what, sql, types, values, rows) in window {
-        for (mode, plan) in plans(&mut conn, sql, types, &values).await {
-            let (read, used) = (rows_read(&plan[0]["Plan"], "schedule_runs"), buffers(&plan));
+        for (mode, used, plan) in harness::explain_prepared(&mut conn, sql, types, &values).await {
+            let read = rows_read(&plan[0]["Plan"], "schedule_runs");
             eprintln!(
                 "{what} ({mode}): {read} rows, {used} buffers, {:.2} ms",
                 execution_ms(&plan)
@@ -490,10 +405,10 @@ async fn record_reads(conn: &mut PgConnection, after: Duration) -> Vec<(String, 
             "86400, 10".to_string(),
         ),
     ] {
-        for (mode, plan) in plans(conn, sql, types, &values).await {
+        for (mode, used, plan) in harness::explain_prepared(conn, sql, types, &values).await {
             out.push((
                 format!("{what} ({mode})"),
-                buffers(&plan),
+                used,
                 rows_read(&plan[0]["Plan"], "outbox_batches"),
                 execution_ms(&plan),
             ));
