@@ -1541,6 +1541,13 @@ CREATE UNIQUE INDEX schedule_pauses_open_idx ON almanac.schedule_pauses USING bt
 
 
 --
+-- Name: schedule_runs_emitted_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX schedule_runs_emitted_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (outcome = 'emitted'::text);
+
+
+--
 -- Name: schedule_runs_fire_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 

@@ -15,8 +15,8 @@ use super::{Ctx, SchedulesDir};
 use crate::control::{self, Actor};
 use crate::scheduler::controls::{self, Paused, Triggered};
 use crate::scheduler::cron::CronExpr;
-use crate::scheduler::ledger;
 use crate::scheduler::timeline::{Run, Timeline};
+use crate::scheduler::{history, ledger};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -251,7 +251,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             let cursors = ledger::cursors(&mut conn, &names)
                 .await
                 .context("reading the ledger")?;
-            let emitted = ledger::last_emitted(&mut conn)
+            let emitted = history::last_emitted(&mut conn)
                 .await
                 .context("reading the ledger")?;
             let paused: std::collections::HashMap<String, controls::Pause> =

@@ -650,6 +650,23 @@ pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, 
     .await
 }
 
+/// The janitor's deletion of publication records: `$1` seconds old, `$2` at
+/// most, oldest first. An ordered range of `outbox_batches_published_idx`
+/// that stops at `$2`, then each record by its primary key: it reads the
+/// records it deletes, however many are kept (`tests/it/ledger_scale.rs`
+/// holds the plan at 10 million published jobs).
+pub const DELETE_PUBLISHED_SQL: &str = r#"
+    WITH gone AS (
+        DELETE FROM almanac.outbox_batches WHERE token = ANY(ARRAY(
+            SELECT token FROM almanac.outbox_batches
+             WHERE published_at < now() - make_interval(secs => $1)
+             ORDER BY published_at
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED))
+        RETURNING cardinality(ids) AS n)
+    SELECT sum(n)::bigint FROM gone
+    "#;
+
 /// Deletes records of publications older than `older_than`: at most
 /// `limit` published batches and `limit` rows published row by row (by
 /// pre-release builds), oldest first; returns how many rows they covered. Unpublished rows
@@ -659,23 +676,11 @@ pub async fn delete_published<'e>(
     older_than: std::time::Duration,
     limit: i64,
 ) -> Result<u64, sqlx::Error> {
-    let batches: Option<i64> = sqlx::query_scalar(
-        r#"
-        WITH gone AS (
-            DELETE FROM almanac.outbox_batches WHERE token = ANY(ARRAY(
-                SELECT token FROM almanac.outbox_batches
-                 WHERE published_at < now() - make_interval(secs => $1)
-                 ORDER BY published_at
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED))
-            RETURNING cardinality(ids) AS n)
-        SELECT sum(n)::bigint FROM gone
-        "#,
-    )
-    .bind(older_than.as_secs_f64())
-    .bind(limit)
-    .fetch_one(db)
-    .await?;
+    let batches: Option<i64> = sqlx::query_scalar(DELETE_PUBLISHED_SQL)
+        .bind(older_than.as_secs_f64())
+        .bind(limit)
+        .fetch_one(db)
+        .await?;
     let legacy = sqlx::query(
         r#"
         DELETE FROM almanac.outbox WHERE id = ANY(ARRAY(

@@ -158,6 +158,16 @@ pub enum Unrecorded {
     Missing,
 }
 
+/// Where schedule `$1`'s history begins: the earlier of its first sync and
+/// its earliest ledger row (a trigger's is not history). One probe of
+/// `schedule_runs_fire_idx` from the oldest end.
+pub const HISTORY_SINCE_SQL: &str = r#"
+    SELECT least(
+        (SELECT created_at FROM almanac.schedules WHERE name = $1),
+        (SELECT fire_at FROM almanac.schedule_runs WHERE schedule = $1
+          AND source <> 'trigger' ORDER BY fire_at LIMIT 1))
+    "#;
+
 /// What the missing rule reads about one schedule at one instant.
 #[derive(Debug, Clone)]
 pub struct Expected {
@@ -175,18 +185,11 @@ impl Expected {
         schedule: &str,
         now: DateTime<Utc>,
     ) -> Result<Expected, BackfillError> {
-        let since: Option<DateTime<Utc>> = sqlx::query_scalar(
-            r#"
-            SELECT least(
-                (SELECT created_at FROM almanac.schedules WHERE name = $1),
-                (SELECT fire_at FROM almanac.schedule_runs WHERE schedule = $1
-                  AND source <> 'trigger' ORDER BY fire_at LIMIT 1))
-            "#,
-        )
-        .bind(schedule)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(LedgerError::from)?;
+        let since: Option<DateTime<Utc>> = sqlx::query_scalar(HISTORY_SINCE_SQL)
+            .bind(schedule)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(LedgerError::from)?;
         let name = [schedule.to_string()];
         let mut disabled = ledger::disabled_spells(conn, &name)
             .await?
@@ -251,7 +254,7 @@ pub async fn gaps_at(
     }
     let expected = Expected::read(conn, &schedule.name, now).await?;
     let runs = runs(schedule, from, to)?;
-    let recorded = ledger::recorded_between(conn, &schedule.name, from, to).await?;
+    let recorded = ledger::rows_between(conn, &schedule.name, from, to).await?;
     Ok(runs
         .into_iter()
         .filter(|r| {

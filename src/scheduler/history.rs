@@ -15,7 +15,7 @@ use sqlx::PgConnection;
 use super::backfill::{self, BackfillError, Expected, Unrecorded};
 use super::cron::CronExpr;
 use super::deadline::Deadline;
-use super::ledger::LedgerError;
+use super::ledger::{self, LedgerError};
 use super::plan;
 use super::spec::{Catchup, Overlap, Schedule};
 use super::timeline::{Run, Timeline};
@@ -64,22 +64,24 @@ pub async fn synced_one(
         .await?)
 }
 
+/// Each synced schedule's latest emitted run: one backward probe of
+/// `schedule_runs_emitted_idx` (migration 0121) per schedule, however many
+/// skipped runs came since (`schedule_runs_fire_idx` walked them all).
+pub const LAST_EMITTED_SQL: &str = r#"
+    SELECT s.name, r.logical_run, r.fire_at FROM almanac.schedules s
+    CROSS JOIN LATERAL (
+        SELECT logical_run, fire_at FROM almanac.schedule_runs
+         WHERE schedule = s.name AND outcome = 'emitted'
+         ORDER BY fire_at DESC LIMIT 1) r
+    "#;
+
 /// Each synced schedule's latest emitted run: name → (logical run,
-/// fire_at); one backward probe of `schedule_runs_fire_idx` per schedule.
+/// fire_at) ([`LAST_EMITTED_SQL`]).
 pub async fn last_emitted(
     conn: &mut PgConnection,
 ) -> Result<HashMap<String, (String, DateTime<Utc>)>, LedgerError> {
-    let rows: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
-        r#"
-        SELECT s.name, r.logical_run, r.fire_at FROM almanac.schedules s
-        CROSS JOIN LATERAL (
-            SELECT logical_run, fire_at FROM almanac.schedule_runs
-             WHERE schedule = s.name AND outcome = 'emitted'
-             ORDER BY fire_at DESC LIMIT 1) r
-        "#,
-    )
-    .fetch_all(conn)
-    .await?;
+    let rows: Vec<(String, String, DateTime<Utc>)> =
+        sqlx::query_as(LAST_EMITTED_SQL).fetch_all(conn).await?;
     Ok(rows.into_iter().map(|(s, r, f)| (s, (r, f))).collect())
 }
 
@@ -217,7 +219,7 @@ pub async fn calendar_at(
     let to = now + chrono::Duration::microseconds(1);
     let runs = window(schedule, now);
     let from = runs.first().map_or(now, |r| r.fire_at);
-    let recorded = ledger_rows(conn, &schedule.name, from, to).await?;
+    let recorded = ledger::rows_between(conn, &schedule.name, from, to).await?;
     let expected = Expected::read(conn, &schedule.name, now).await?;
     let ids: Vec<i64> = recorded.values().filter_map(|r| r.job_id).collect();
     let statuses = queue::statuses(&mut *conn, &ids)
@@ -261,37 +263,6 @@ pub async fn calendar_at(
         })
         .collect();
     Ok(Calendar { cells, from, to })
-}
-
-#[derive(Debug, Clone, sqlx::FromRow)]
-struct LedgerRow {
-    logical_run: String,
-    outcome: String,
-    source: String,
-    job_id: Option<i64>,
-}
-
-/// The ledger rows of one schedule with `from <= fire_at < to`, by logical
-/// run (the `(schedule, fire_at)` index).
-async fn ledger_rows(
-    conn: &mut PgConnection,
-    schedule: &str,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-) -> Result<HashMap<String, LedgerRow>, LedgerError> {
-    let rows: Vec<LedgerRow> = sqlx::query_as(
-        "SELECT logical_run, outcome, source, job_id FROM almanac.schedule_runs \
-         WHERE schedule = $1 AND fire_at >= $2 AND fire_at < $3",
-    )
-    .bind(schedule)
-    .bind(from)
-    .bind(to)
-    .fetch_all(conn)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| (r.logical_run.clone(), r))
-        .collect())
 }
 
 #[cfg(test)]

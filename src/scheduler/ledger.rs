@@ -453,36 +453,41 @@ pub async fn record_in(
     Ok(report)
 }
 
-/// The ledger rows of one schedule with `from <= fire_at < to`: logical run → outcome.
-pub async fn recorded_between(
+/// One ledger row, as the calendar and `gaps` read it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct LedgerRow {
+    pub logical_run: String,
+    /// `emitted`, or `skipped_` and the reason.
+    pub outcome: String,
+    /// `tick`, `catchup`, `backfill` or `trigger`.
+    pub source: String,
+    /// `None` for a skipped run, or when the janitor deleted its job.
+    pub job_id: Option<i64>,
+}
+
+/// The ledger rows of schedule `$1` with `$2 <= fire_at < $3`: one range of
+/// `schedule_runs_fire_idx`, so it reads the rows of the range and no
+/// others, however long the ledger (`tests/it/ledger_scale.rs` holds the
+/// plan at a million rows).
+pub const ROWS_BETWEEN_SQL: &str = "SELECT logical_run, outcome, source, job_id \
+    FROM almanac.schedule_runs WHERE schedule = $1 AND fire_at >= $2 AND fire_at < $3";
+
+/// The ledger rows of one schedule with `from <= fire_at < to`, by logical
+/// run: what the calendar and `gaps` read ([`ROWS_BETWEEN_SQL`]).
+pub async fn rows_between(
     conn: &mut PgConnection,
     schedule: &str,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
-) -> Result<HashMap<String, String>, LedgerError> {
-    let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT logical_run, outcome FROM almanac.schedule_runs WHERE schedule = $1 AND fire_at >= $2 AND fire_at < $3",
-    )
-    .bind(schedule)
-    .bind(from)
-    .bind(to)
-    .fetch_all(conn)
-    .await?;
-    Ok(rows.into_iter().collect())
-}
-
-/// The last emitted run of each schedule: name → (logical run, fire_at).
-pub async fn last_emitted(
-    conn: &mut PgConnection,
-) -> Result<HashMap<String, (String, DateTime<Utc>)>, LedgerError> {
-    let rows: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
-        r#"
-        SELECT DISTINCT ON (schedule) schedule, logical_run, fire_at
-        FROM almanac.schedule_runs WHERE outcome = 'emitted'
-        ORDER BY schedule, fire_at DESC
-        "#,
-    )
-    .fetch_all(conn)
-    .await?;
-    Ok(rows.into_iter().map(|(s, r, f)| (s, (r, f))).collect())
+) -> Result<HashMap<String, LedgerRow>, LedgerError> {
+    let rows: Vec<LedgerRow> = sqlx::query_as(ROWS_BETWEEN_SQL)
+        .bind(schedule)
+        .bind(from)
+        .bind(to)
+        .fetch_all(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.logical_run.clone(), r))
+        .collect())
 }

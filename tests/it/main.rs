@@ -32,6 +32,7 @@ mod exec;
 mod exec_faults;
 mod leader;
 mod leader_faults;
+mod ledger_scale;
 mod limits;
 mod limits_cli;
 mod migration;

@@ -194,23 +194,48 @@ pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serd
     .execute(&mut *conn)
     .await
     .unwrap();
-    sqlx::raw_sql(&format!(
-        "PREPARE claim (text[], bigint, bigint) AS {}",
-        almanac::queue::CLAIM_SQL
-    ))
-    .execute(&mut *conn)
+    explain_prepared(
+        &mut conn,
+        almanac::queue::CLAIM_SQL,
+        "text[], bigint, bigint",
+        &format!("'{kinds}', 10, 30000"),
+    )
     .await
-    .unwrap();
-    // The first UPDATE of almanac.jobs in a session also reads the catalog
-    // for its check constraints (an inlined SQL function since 0115) and
-    // compiles the statement trigger of 0117 (about 60 buffers, once): one
-    // claim first, rolled back.
-    sqlx::raw_sql(&format!(
-        "BEGIN; EXPLAIN (ANALYZE) EXECUTE claim ('{kinds}', 10, 30000); ROLLBACK"
-    ))
-    .execute(&mut *conn)
-    .await
-    .unwrap();
+}
+
+/// `sql` prepared with parameter `types` (none: empty) and run with
+/// `values` (SQL literals) under `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`,
+/// as a custom plan and as the generic plan a prepared statement settles
+/// on, each in a transaction rolled back (`ANALYZE` runs a statement that
+/// writes): (mode, shared buffers hit + read at the plan's root, which
+/// counts every node, plan). One run goes first, rolled back and not
+/// counted: the first in a session reads the catalog for what the
+/// statement calls (the first UPDATE of almanac.jobs reads its check
+/// constraints, an inlined SQL function since 0115, and compiles the
+/// statement trigger of 0117: about 60 buffers, once).
+pub async fn explain_prepared(
+    conn: &mut sqlx::PgConnection,
+    sql: &str,
+    types: &str,
+    values: &str,
+) -> Vec<(String, i64, serde_json::Value)> {
+    // Its own name: sqlx keeps its prepared statements on the connection.
+    let (types, execute) = if types.is_empty() {
+        (String::new(), "EXECUTE explained".to_string())
+    } else {
+        (
+            format!("({types})"),
+            format!("EXECUTE explained ({values})"),
+        )
+    };
+    sqlx::raw_sql(&format!("PREPARE explained {types} AS {sql}"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!("BEGIN; EXPLAIN (ANALYZE) {execute}; ROLLBACK"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
     let mut out = Vec::new();
     for mode in ["force_custom_plan", "force_generic_plan"] {
         sqlx::raw_sql(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
@@ -218,7 +243,7 @@ pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serd
             .await
             .unwrap();
         let plan: serde_json::Value = sqlx::query_scalar(&format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim ('{kinds}', 10, 30000)"
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {execute}"
         ))
         .fetch_one(&mut *conn)
         .await
@@ -230,7 +255,7 @@ pub async fn claim_buffers(pool: &PgPool, kinds: &str) -> Vec<(String, i64, serd
         out.push((mode.to_string(), buffers, plan));
     }
     // The connection goes back to the pool: the next call prepares again.
-    sqlx::raw_sql("DEALLOCATE claim")
+    sqlx::raw_sql("DEALLOCATE explained")
         .execute(&mut *conn)
         .await
         .unwrap();
