@@ -19,7 +19,8 @@
 --    a partial unique index; `INSERT ... ON CONFLICT (idempotency_key)`
 --    must now say `WHERE idempotency_key IS NOT NULL` to find it, so the
 --    enqueue functions are redefined here with that clause (each other
---    change to them stays in 0114 and 0115); applications enqueue through
+--    change to them stays in 0114 and 0115), and 0127 drops the
+--    constraint; applications enqueue through
 --    `almanac.enqueue` (docs/enqueue.md), and one still writing its own
 --    INSERT adds the clause (docs/operations.md, upgrading).
 -- 3. No index of ready jobs by due time alone: `jobs_ready_due_idx`
@@ -28,16 +29,35 @@
 --    serves (the claim's walk is written so that the planner could not
 --    pick the other; lease.rs).
 --
+-- This migration builds the index and points the enqueue functions at it
+-- (with the old constraint still in place, both arbiters match); 0127
+-- drops what is no longer needed. Apart, so that the build commits on its
+-- own: the drops need an exclusive lock, and if they time out waiting for
+-- one, the build is not thrown away with them.
+--
 -- As 0109: building the index reads the whole table under a SHARE lock
 -- (claims, heartbeats and enqueues wait, about a second per million jobs).
--- On a big table, build it by hand beforehand and this migration only
--- drops the constraint:
+-- On a big table, build it by hand beforehand, and this migration finds
+-- it (an index of that name left invalid by a failed concurrent build is
+-- dropped and built again here):
 --
 --   CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS jobs_idempotency_key_idx
 --       ON almanac.jobs (idempotency_key) WHERE idempotency_key IS NOT NULL;
 SET LOCAL lock_timeout = '10s';
 
 ALTER TABLE almanac.jobs SET (fillfactor = 60);
+
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_index i
+               WHERE i.indexrelid = to_regclass('almanac.jobs_idempotency_key_idx')
+                 AND NOT (i.indisvalid AND i.indisready AND i.indisunique
+                          AND pg_get_indexdef(i.indexrelid) =
+                              'CREATE UNIQUE INDEX jobs_idempotency_key_idx ON almanac.jobs '
+                              'USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL)')) THEN
+        DROP INDEX almanac.jobs_idempotency_key_idx;
+    END IF;
+END $$;
 
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency_key_idx ON almanac.jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL;
@@ -54,7 +74,3 @@ BEGIN
     END IF;
     EXECUTE replace(v_def, v_old, v_new);
 END $$;
-
-ALTER TABLE almanac.jobs DROP CONSTRAINT jobs_idempotency_key_key;
-
-DROP INDEX almanac.jobs_ready_due_idx;

@@ -6,16 +6,21 @@
 //! It deletes in batches of `batch_size` rows (oldest first, SKIP LOCKED, one
 //! short transaction each) with `pause` between batches, so it never holds
 //! many row locks at once nor writes a burst of WAL that replicas and
-//! autovacuum must swallow in one go. Except when it is behind: while the
-//! jobs a batch deleted had been past their retention for longer than one
-//! `interval`, the next batch follows without a pause. A queue that
-//! finishes more jobs a second than `batch_size` per `pause` (10,000 by
-//! default) would otherwise grow without bound; catching up comes first,
-//! spreading the load second (`almanac bench --retention-only` measures it). Several janitors may run; they skip each
+//! autovacuum must swallow in one go. A pass deletes what was past
+//! retention when it started, so it ends however fast jobs finish (and
+//! reaches dead and cancelled jobs and the outbox records after done jobs).
+//! When it is behind (the jobs a batch deleted had been past their
+//! retention for longer than one `interval`), the pause after a batch is
+//! cut to the time the batch took: at most half of the janitor's time goes
+//! to deleting, and a queue that finishes more jobs a second than
+//! `batch_size` per `pause` (10,000 by default) does not outgrow its
+//! retention for good (`almanac bench --retention-only` measures it). Several janitors may run; they skip each
 //! other's rows. It never deletes ledger rows (`schedule_runs`): a deleted
 //! job leaves its logical run recorded, so the run is never emitted again.
 
 use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 
 use serde::Serialize;
 use sqlx::PgPool;
@@ -114,7 +119,11 @@ impl Janitor {
 
     /// One batch: the rows deleted, and whether the janitor is behind
     /// (see the module doc).
-    async fn delete_batch(&self, target: Target) -> Result<(u64, bool), JanitorError> {
+    async fn delete_batch(
+        &self,
+        target: Target,
+        pass_started: DateTime<Utc>,
+    ) -> Result<(u64, bool), JanitorError> {
         let limit = self.config.batch_size;
         let (what, deleted, behind) = match target {
             Target::Jobs(status, what) => {
@@ -122,7 +131,14 @@ impl Janitor {
                     JobStatus::Done => self.config.done_retention,
                     _ => self.config.dead_retention,
                 };
-                let d = queue::delete_finished(&self.pool, status, retention, limit).await?;
+                let d = queue::delete_finished(
+                    &self.pool,
+                    status,
+                    retention,
+                    Some(pass_started),
+                    limit,
+                )
+                .await?;
                 let behind = d.behind.is_some_and(|b| b > self.config.interval);
                 (what, d.rows, behind)
             }
@@ -151,6 +167,10 @@ impl Periodic for Janitor {
     /// so far) when `shutdown` is cancelled.
     async fn run_once(&self, shutdown: &CancellationToken) -> Result<JanitorReport, JanitorError> {
         let mut report = JanitorReport::default();
+        let pass_started: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(QueueError::from)?;
         for target in [
             Target::Jobs(JobStatus::Done, "done"),
             Target::Jobs(JobStatus::Dead, "dead"),
@@ -161,7 +181,8 @@ impl Periodic for Janitor {
                 if shutdown.is_cancelled() {
                     return Ok(report);
                 }
-                let (deleted, behind) = self.delete_batch(target).await?;
+                let started = std::time::Instant::now();
+                let (deleted, behind) = self.delete_batch(target, pass_started).await?;
                 report.batches += 1;
                 match target {
                     Target::Jobs(JobStatus::Done, _) => report.done += deleted,
@@ -172,12 +193,14 @@ impl Periodic for Janitor {
                 if (deleted as i64) < self.config.batch_size {
                     break;
                 }
-                if behind {
-                    continue;
-                }
+                let pause = if behind {
+                    self.config.pause.min(started.elapsed())
+                } else {
+                    self.config.pause
+                };
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(report),
-                    _ = tokio::time::sleep(self.config.pause) => {}
+                    _ = tokio::time::sleep(pause) => {}
                 }
             }
         }

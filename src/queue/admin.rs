@@ -264,13 +264,25 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
     )
     .fetch_all(&mut *conn)
     .await?;
+    // One probe of `jobs_ready_kind_idx` per kind with ready jobs (the
+    // counts above found them): the oldest due job is the first entry.
+    let ready_kinds: Vec<&str> = by_kind_status
+        .iter()
+        .filter(|c| c.status == JobStatus::Ready)
+        .map(|c| c.kind.as_str())
+        .collect();
     let oldest_due_ready = sqlx::query_as::<_, KindAge>(
         r#"
-        SELECT kind, greatest(extract(epoch FROM now() - min(run_at)), 0)::float8 AS seconds
-          FROM almanac.jobs WHERE status = 'ready' AND run_at <= now()
-         GROUP BY kind ORDER BY kind
+        SELECT k.kind, greatest(extract(epoch FROM now() - o.run_at), 0)::float8 AS seconds
+          FROM unnest($1::text[]) AS k(kind)
+          CROSS JOIN LATERAL (
+              SELECT j.run_at FROM almanac.jobs j
+               WHERE j.kind = k.kind AND j.status = 'ready' AND j.run_at <= now()
+               ORDER BY j.run_at LIMIT 1) AS o
+         ORDER BY k.kind
         "#,
     )
+    .bind(&ready_kinds)
     .fetch_all(&mut *conn)
     .await?;
     let (expired, estimate): (i64, f64) = sqlx::query_as(

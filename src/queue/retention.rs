@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use sqlx::PgExecutor;
 
 use super::{JobStatus, QueueError};
@@ -21,12 +23,13 @@ pub struct Deleted {
 }
 
 /// Deletes at most `limit` jobs in `status` (`done`, `dead` or `cancelled`) that finished
-/// more than `older_than` ago, oldest first, skipping rows another session
-/// holds.
+/// more than `older_than` before `at` (the database's time when `None`),
+/// oldest first, skipping rows another session holds.
 pub async fn delete_finished<'e>(
     db: impl PgExecutor<'e>,
     status: JobStatus,
     older_than: Duration,
+    at: Option<DateTime<Utc>>,
     limit: i64,
 ) -> Result<Deleted, QueueError> {
     assert!(
@@ -41,7 +44,8 @@ pub async fn delete_finished<'e>(
         WITH gone AS (
             DELETE FROM almanac.jobs WHERE id = ANY(ARRAY(
                 SELECT id FROM almanac.jobs
-                 WHERE status = $1 AND finished_at < now() - make_interval(secs => $2)
+                 WHERE status = $1
+                   AND finished_at < coalesce($4, now()) - make_interval(secs => $2)
                  ORDER BY finished_at
                  LIMIT $3
                  FOR UPDATE SKIP LOCKED))
@@ -54,6 +58,7 @@ pub async fn delete_finished<'e>(
     .bind(status)
     .bind(older_than.as_secs_f64())
     .bind(limit)
+    .bind(at)
     .fetch_one(db)
     .await?;
     Ok(Deleted {

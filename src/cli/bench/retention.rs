@@ -74,8 +74,8 @@ pub struct Report {
 
 pub async fn measure(pool: &PgPool, args: &RetentionArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(
-        args.retention_minutes > 0.0 && args.retention_minutes.is_finite(),
-        "--retention-minutes must be above 0 (got {})",
+        args.retention_minutes > 0.0 && args.retention_minutes <= 10_080.0,
+        "--retention-minutes must be above 0 and at most 10080 (a week; got {})",
         args.retention_minutes
     );
     anyhow::ensure!(
@@ -153,8 +153,18 @@ async fn drive(
     let mut inserted = 0u64;
     let mut samples = Vec::new();
     let mut last_sample = (Instant::now(), 0u64);
+    // Ctrl-C ends the run early: what was sampled is reported, and the
+    // scratch database is dropped as after a full run.
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     while started.elapsed() < length {
-        ticks.tick().await;
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = &mut interrupted => {
+                eprintln!("interrupted: reporting the samples so far");
+                break;
+            }
+        }
         // Behind schedule (a slow insert), the next insert catches up.
         let due = (started.elapsed().as_secs_f64() * args.retention_rate as f64) as u64;
         let n = due.saturating_sub(inserted);
