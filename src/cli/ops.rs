@@ -86,7 +86,7 @@ pub struct JanitorFlags {
     /// Pause between two delete statements [default: 100ms].
     #[arg(long, env = "ALMANAC_JANITOR_PAUSE")]
     pub janitor_pause: Option<HumanDuration>,
-    /// How often the janitor starts a pass [default: 1m].
+    /// How often the janitor starts a pass [default: 30s].
     #[arg(long, env = "ALMANAC_JANITOR_INTERVAL")]
     pub janitor_interval: Option<HumanDuration>,
 }

@@ -51,7 +51,9 @@ pub struct JanitorConfig {
 impl Default for JanitorConfig {
     fn default() -> Self {
         JanitorConfig {
-            interval: Duration::from_secs(60),
+            // Half a minute: a job is gone within about a minute of
+            // coming due (the wait for the next pass, then the pass).
+            interval: Duration::from_secs(30),
             done_retention: Duration::from_secs(7 * 86_400),
             dead_retention: Duration::from_secs(30 * 86_400),
             outbox_retention: Duration::from_secs(86_400),
