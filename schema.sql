@@ -938,7 +938,8 @@ CREATE TABLE almanac.jobs (
     CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
     CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
     CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text])))
-);
+)
+WITH (fillfactor='60');
 
 
 --
