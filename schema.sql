@@ -1457,6 +1457,13 @@ CREATE INDEX jobs_ready_kind_idx ON almanac.jobs USING btree (kind, run_at, id) 
 
 
 --
+-- Name: jobs_ready_kind_route_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ready_kind_route_idx ON almanac.jobs USING btree (kind, route) WHERE (status = 'ready'::text);
+
+
+--
 -- Name: jobs_ready_priority_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 

@@ -139,18 +139,20 @@ pub async fn move_window(
 /// worker held when the walk passed it, or an enqueue whose REPEATABLE READ
 /// snapshot predates the last `route set`.
 pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        r#"
-        SELECT r.kind FROM almanac.routes AS r
-        WHERE EXISTS (
-            SELECT 1 FROM almanac.jobs AS j
-            WHERE j.kind = r.kind AND j.status = 'ready' AND j.route <> r.mode)
-        ORDER BY r.kind
-        "#,
-    )
-    .fetch_all(db)
-    .await
+    sqlx::query_scalar(KINDS_OFF_ROUTE_SQL).fetch_all(db).await
 }
+
+/// [`kinds_off_route`]'s statement (its plan is tested).
+pub const KINDS_OFF_ROUTE_SQL: &str = r#"
+    SELECT r.kind FROM almanac.routes AS r
+    WHERE EXISTS (
+        -- The two other modes, each a probe of jobs_ready_kind_route_idx
+        -- (migration 0123); `route <> mode` read every ready job.
+        SELECT 1 FROM almanac.jobs AS j
+        WHERE j.kind = r.kind AND j.status = 'ready'
+          AND j.route = ANY (array_remove(ARRAY['db', 'dual', 'broker'], r.mode)))
+    ORDER BY r.kind
+"#;
 
 /// Where a re-drive sweep stands: candidates due by `until` (fixed when the
 /// sweep starts, so a sweep ends even while jobs keep coming due), after the
