@@ -1457,17 +1457,17 @@ CREATE INDEX jobs_ready_kind_idx ON almanac.jobs USING btree (kind, run_at, id) 
 
 
 --
--- Name: jobs_ready_kind_route_idx; Type: INDEX; Schema: almanac; Owner: -
---
-
-CREATE INDEX jobs_ready_kind_route_idx ON almanac.jobs USING btree (kind, route) WHERE (status = 'ready'::text);
-
-
---
 -- Name: jobs_ready_priority_idx; Type: INDEX; Schema: almanac; Owner: -
 --
 
 CREATE INDEX jobs_ready_priority_idx ON almanac.jobs USING btree (kind, priority, run_at, id) WHERE ((status = 'ready'::text) AND (priority > 0));
+
+
+--
+-- Name: jobs_ready_route_kind_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX jobs_ready_route_kind_idx ON almanac.jobs USING btree (route, kind) WHERE (status = 'ready'::text);
 
 
 --

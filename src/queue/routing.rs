@@ -146,7 +146,7 @@ pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>,
 pub const KINDS_OFF_ROUTE_SQL: &str = r#"
     SELECT r.kind FROM almanac.routes AS r
     WHERE EXISTS (
-        -- The two other modes, each a probe of jobs_ready_kind_route_idx
+        -- The two other modes, each a probe of jobs_ready_route_kind_idx
         -- (migration 0123); `route <> mode` read every ready job.
         SELECT 1 FROM almanac.jobs AS j
         WHERE j.kind = r.kind AND j.status = 'ready'

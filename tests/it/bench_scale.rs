@@ -179,7 +179,7 @@ async fn sigint_mid_fill_drops_the_scratch_database(pool: PgPool) {
 /// `bench --scale` found reading every ready job (migration 0123): on
 /// 100,000 ready jobs of a kind routed `broker`, none off its route, beside
 /// 300,000 of six unrouted kinds, it is two probes of
-/// `jobs_ready_kind_route_idx` per routed kind, not a walk of the kind's
+/// `jobs_ready_route_kind_idx` per routed kind, not a walk of the kind's
 /// jobs; and a job off its route is still found.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn kinds_off_route_probes_an_index_instead_of_reading_the_ready_jobs(pool: PgPool) {
@@ -214,7 +214,7 @@ async fn kinds_off_route_probes_an_index_instead_of_reading_the_ready_jobs(pool:
     .unwrap();
     let text = plan.to_string();
     assert!(
-        text.contains("jobs_ready_kind_route_idx") && text.contains("route = ANY"),
+        text.contains("jobs_ready_route_kind_idx") && text.contains("route = ANY"),
         "{plan:#}"
     );
     let buffers = plan[0]["Plan"]["Shared Hit Blocks"].as_i64().unwrap()

@@ -38,7 +38,13 @@ pub async fn measure(pool: &PgPool, probe: i64, f: &mut Figures) -> anyhow::Resu
     let mut result = Ok(());
     for path in paths {
         match median_ms(|| get(&addr, &path)).await {
-            Ok(ms) => f.add(format!("page {path}"), "ms", Goal::Time, ms),
+            // The probe's id differs from size to size; the name may not.
+            Ok(ms) => f.add(
+                format!("page {}", path.replace(&probe.to_string(), "{id}")),
+                "ms",
+                Goal::Time,
+                ms,
+            ),
             Err(err) => {
                 result = Err(err);
                 break;
