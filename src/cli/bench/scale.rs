@@ -129,7 +129,7 @@ impl Goal {
         match self {
             Goal::Time => "<= 1.2x at smallest",
             Goal::Rate => ">= 0.83x at smallest",
-            Goal::Below(v) if v == 2.0 => "< 2 ms at every size",
+            Goal::Below(2.0) => "< 2 ms at every size",
             Goal::Below(_) => "< 5 ms at every size",
             Goal::AtLeast(_) => ">= 0.7 at every size",
             Goal::Size => "-",
