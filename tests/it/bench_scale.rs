@@ -31,6 +31,19 @@ fn bench(pool: &PgPool, args: &[&str]) -> std::process::Child {
         .unwrap()
 }
 
+/// Runs `almanac bench ARGS` to its end: its pid, exit code, stdout and
+/// stderr.
+async fn run_bench(pool: &PgPool, args: &[&str]) -> (u32, Option<i32>, Vec<u8>, String) {
+    let child = bench(pool, args);
+    let pid = child.id();
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    (pid, out.status.code(), out.stdout, stderr)
+}
+
 /// Small enough for a test: 2,000 jobs per burn-down.
 const SMALL: [&str; 8] = [
     "--jobs",
@@ -47,15 +60,9 @@ const SMALL: [&str; 8] = [
 async fn every_figure_is_reported_at_every_size(pool: PgPool) {
     let mut args = vec!["--scale", "0,20000", "--json"];
     args.extend(SMALL);
-    let child = bench(&pool, &args);
-    let pid = child.id();
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (pid, code, stdout, stderr) = run_bench(&pool, &args).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(report["sizes"], serde_json::json!([0, 20000]));
     assert_eq!(report["ledger_rows"], serde_json::json!([0, 2000]));
     let figures = report["figures"].as_array().unwrap();
@@ -124,27 +131,19 @@ async fn every_figure_is_reported_at_every_size(pool: PgPool) {
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_size_that_does_not_fit_the_disk_is_refused_before_anything_is_written(pool: PgPool) {
-    let child = bench(&pool, &["--scale", "0,1000000000000"]);
-    let pid = child.id();
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (pid, code, stdout, stderr) = run_bench(&pool, &["--scale", "0,1000000000000"]).await;
+    assert_eq!(code, Some(1), "{stderr}");
     assert!(
         stderr.contains("--scale up to 1000000000000 jobs needs about 645002.1 GB of disk")
             && stderr.contains("GB of disk")
             && stderr.contains("free"),
         "{stderr}"
     );
-    assert!(out.stdout.is_empty());
+    assert!(stdout.is_empty());
     assert!(!scratch_exists(&pool, pid).await);
 
-    let child = bench(&pool, &["--scale", "0,lots"]);
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (_, code, _, stderr) = run_bench(&pool, &["--scale", "0,lots"]).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("`lots` is not a number of jobs"),
         "{stderr}"

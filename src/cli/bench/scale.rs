@@ -142,6 +142,17 @@ impl Goal {
 struct Figures(Vec<(String, &'static str, Goal, f64)>);
 
 impl Figures {
+    /// Adds the median time of `read` ([`median_ms`]), a [`Goal::Time`].
+    async fn time<F, Fut>(&mut self, name: &str, read: F) -> anyhow::Result<()>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        let ms = median_ms(read).await?;
+        self.add(name, "ms", Goal::Time, ms);
+        Ok(())
+    }
+
     fn add(&mut self, name: impl Into<String>, unit: &'static str, goal: Goal, value: f64) {
         let name = name.into();
         eprintln!("  {name}: {value:.3} {unit}");
@@ -257,54 +268,32 @@ async fn measure(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<Figur
     .fetch_one(pool)
     .await?;
     pages::measure(pool, probe, &mut f).await?;
-    f.add(
-        "stats snapshot",
-        "ms",
-        Goal::Time,
-        median_ms(|| async {
-            let mut conn = pool.acquire().await?;
-            crate::stats::Snapshot::read(&mut conn).await?;
-            Ok(())
-        })
-        .await?,
-    );
+    f.time("stats snapshot", || async {
+        crate::stats::Snapshot::read(&mut *pool.acquire().await?).await?;
+        Ok(())
+    })
+    .await?;
     let collector = crate::stats::collector::Collector::new(
         pool.clone(),
         crate::stats::collector::CollectorConfig::default().validated()?,
     );
     let token = CancellationToken::new();
-    f.add(
-        "collector refresh",
-        "ms",
-        Goal::Time,
-        median_ms(|| async {
-            collector.run_once(&token).await?;
-            Ok(())
-        })
-        .await?,
-    );
+    f.time("collector refresh", || async {
+        collector.run_once(&token).await?;
+        Ok(())
+    })
+    .await?;
     let redrive_after = crate::relay::RelayConfig::default().redrive_after;
-    f.add(
-        "re-drive sweep (rabbitmq)",
-        "ms",
-        Goal::Time,
-        median_ms(|| async {
-            crate::relay::redrive(pool, crate::relay::SinkKind::Rabbitmq, redrive_after).await?;
-            Ok(())
-        })
-        .await?,
-    );
-    f.add(
-        "reconcile sweep",
-        "ms",
-        Goal::Time,
-        median_ms(|| async {
-            let mut conn = pool.acquire().await?;
-            crate::relay::routes::reconcile(&mut conn).await?;
-            Ok(())
-        })
-        .await?,
-    );
+    f.time("re-drive sweep (rabbitmq)", || async {
+        crate::relay::redrive(pool, crate::relay::SinkKind::Rabbitmq, redrive_after).await?;
+        Ok(())
+    })
+    .await?;
+    f.time("reconcile sweep", || async {
+        crate::relay::routes::reconcile(&mut *pool.acquire().await?).await?;
+        Ok(())
+    })
+    .await?;
 
     enqueue_rates(pool, args, floor, &mut f).await?;
     let (raw, runtime) = claim_rates(pool, args, floor).await?;
@@ -435,8 +424,8 @@ async fn enqueue_rates(
 /// The raw limit (best of batches of 100 and 1,000) and the worker
 /// runtime's rate with default settings, `--jobs` jobs each.
 async fn claim_rates(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<(f64, f64)> {
-    let mut raw: f64 = 0.0;
-    for batch in [100usize, 1000] {
+    // A vacuumed table and `--jobs` due jobs of the bench's kind.
+    let refill = || async {
         vacuum_above(pool, floor).await?;
         fill_above(
             pool,
@@ -445,18 +434,14 @@ async fn claim_rates(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<(
             "jsonb_build_object('customer', g)",
             "NULL",
         )
-        .await?;
+        .await
+    };
+    let mut raw: f64 = 0.0;
+    for batch in [100usize, 1000] {
+        refill().await?;
         raw = raw.max(raw_burn(pool, args.connections, batch, args.jobs).await?);
     }
-    vacuum_above(pool, floor).await?;
-    fill_above(
-        pool,
-        floor,
-        args.jobs,
-        "jsonb_build_object('customer', g)",
-        "NULL",
-    )
-    .await?;
+    refill().await?;
     let runtime = burn(pool, WorkerConfig::default(), args.jobs).await?;
     Ok((raw, runtime))
 }
