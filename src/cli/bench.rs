@@ -21,6 +21,9 @@
 //! - **tracing**: the default runtime with tracing off beside every span
 //!   exported by OTLP to a receiver in this process, in pairs, and the
 //!   ratio ([`traced`]); `--tracing-only` measures just these.
+//! - **scale** (`--scale 0,1000000,10000000`), instead of all the above:
+//!   the queue's figures on tables of each size, beside their value on
+//!   empty ones ([`scale`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +47,7 @@ use crate::worker::{JobContext, Worker, WorkerConfig};
 mod enqueue;
 mod ordered;
 mod retention;
+mod scale;
 mod traced;
 
 #[derive(Debug, clap::Args)]
@@ -66,6 +70,13 @@ pub struct Args {
     /// Tuned runtime: jobs per claim.
     #[arg(long, default_value_t = 1000)]
     tuned_batch_size: usize,
+    /// Instead of the figures above: the queue's figures at each of these
+    /// numbers of jobs (a comma list), on one scratch database grown from
+    /// size to size, each beside its value at the smallest.
+    #[arg(long, value_name = "JOBS,...", num_args = 0..=1,
+          default_missing_value = scale::DEFAULT_SIZES, value_parser = scale::parse_sizes,
+          conflicts_with_all = ["tracing_only", "ordering_only", "retention_only"])]
+    scale: Option<scale::Sizes>,
     /// Only the tracing figures (off beside on), nothing else.
     #[arg(long, conflicts_with = "ordering_only")]
     tracing_only: bool,
@@ -124,15 +135,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(args.connections > 0, "--connections must be at least 1");
     anyhow::ensure!(args.latency_jobs > 0, "--latency-jobs must be at least 1");
     let base = ctx.connect_options()?;
-    let name = format!("almanac_bench_{}", std::process::id());
-    let options = base
-        .clone()
-        .database(&name)
-        .application_name("almanac-bench");
-    let pool = db::connect_with(options.clone(), (args.connections as u32 + 2).max(12)).await?;
-    db::migrate(&pool).await?;
-    // The scratch database is dropped whatever the outcome.
-    let scratch = (pool, base, name);
+    if let Some(sizes) = &args.scale {
+        return scale::run(base, &args, sizes).await;
+    }
+    let scratch = scratch(base, args.connections).await?;
     if args.tracing_only {
         let result = traced::measure(&scratch.0, args.jobs).await;
         return report(scratch, result, args.json, traced::print_table).await;
@@ -149,10 +155,34 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     report(scratch, result, args.json, print_table).await
 }
 
+/// The scratch database, migrated, with the options it was made from and
+/// its name: what [`report`] drops.
+type Scratch = (PgPool, sqlx::postgres::PgConnectOptions, String);
+
+/// Creates and migrates `almanac_bench_<pid>` next to `base`'s database;
+/// dropped again when migrating it fails.
+async fn scratch(
+    base: sqlx::postgres::PgConnectOptions,
+    connections: usize,
+) -> anyhow::Result<Scratch> {
+    let name = format!("almanac_bench_{}", std::process::id());
+    let options = base
+        .clone()
+        .database(&name)
+        .application_name("almanac-bench");
+    let pool = db::connect_with(options, (connections as u32 + 2).max(12)).await?;
+    if let Err(err) = db::migrate(&pool).await {
+        pool.close().await;
+        drop_database(&base, &name).await;
+        return Err(err.into());
+    }
+    Ok((pool, base, name))
+}
+
 /// Drops the scratch database, then prints `result` as one JSON object or
 /// as a table.
 async fn report<R: Serialize>(
-    (pool, base, name): (PgPool, sqlx::postgres::PgConnectOptions, String),
+    (pool, base, name): Scratch,
     result: anyhow::Result<R>,
     json: bool,
     table: fn(&R),
@@ -224,7 +254,7 @@ async fn measure(pool: &PgPool, args: &Args) -> anyhow::Result<Report> {
     let tuned = burn(pool, tuned_config, args.jobs).await?;
     eprintln!("runtime (tuned): {tuned:.0} jobs/s");
 
-    let listen = latency(pool, true, args.latency_jobs).await?;
+    let listen = latency(pool, 0, true, args.latency_jobs).await?;
     let poll_interval = Duration::from_millis(100);
     let poll = latency_polling(pool, poll_interval, args.latency_jobs).await?;
 
@@ -371,9 +401,19 @@ async fn fill(pool: &PgPool, n: u64) -> anyhow::Result<()> {
 /// [`fill`] with each job's payload and traceparent given as SQL over
 /// `g`, its number.
 async fn fill_with(pool: &PgPool, n: u64, payload: &str, traceparent: &str) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs")
-        .execute(pool)
-        .await?;
+    fill_above(pool, 0, n, payload, traceparent).await
+}
+
+/// [`fill_with`] that replaces only the jobs above id `floor`: the
+/// measurement's own (`bench --scale` keeps its background below it).
+async fn fill_above(
+    pool: &PgPool,
+    floor: i64,
+    n: u64,
+    payload: &str,
+    traceparent: &str,
+) -> anyhow::Result<()> {
+    clear_above(pool, floor).await?;
     sqlx::query(&format!(
         "INSERT INTO almanac.jobs (kind, run_at, payload, traceparent) \
          SELECT $1, now() - interval '1 second', {payload}, {traceparent} \
@@ -389,10 +429,21 @@ async fn fill_with(pool: &PgPool, n: u64, payload: &str, traceparent: &str) -> a
 }
 
 async fn vacuum(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::query("DELETE FROM almanac.jobs")
+    vacuum_above(pool, 0).await
+}
+
+/// Deletes the jobs above id `floor`, then vacuums the table.
+async fn vacuum_above(pool: &PgPool, floor: i64) -> anyhow::Result<()> {
+    clear_above(pool, floor).await?;
+    sqlx::query("VACUUM almanac.jobs").execute(pool).await?;
+    Ok(())
+}
+
+async fn clear_above(pool: &PgPool, floor: i64) -> anyhow::Result<()> {
+    sqlx::query("DELETE FROM almanac.jobs WHERE id > $1")
+        .bind(floor)
         .execute(pool)
         .await?;
-    sqlx::query("VACUUM almanac.jobs").execute(pool).await?;
     Ok(())
 }
 
@@ -493,6 +544,9 @@ async fn timed_burn(
     worker: Worker,
     ran: Option<(Arc<AtomicU64>, u64)>,
 ) -> anyhow::Result<f64> {
+    let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await?;
     let stop = CancellationToken::new();
     let started = Instant::now();
     let running = tokio::spawn(worker.run(stop.clone()));
@@ -508,12 +562,15 @@ async fn timed_burn(
         // Two index probes that stop at the first row (0.2 ms). Counting
         // the unfinished rows took 7 ms at 100,000 ready: a third of a core
         // taken from the database being measured.
+        // Only the bench kind's: `bench --scale` has other kinds' rows
+        // ready in the future and running beside them.
         let left: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'ready')
-                 OR EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'running')
+            "SELECT EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'ready' AND kind = $1)
+                 OR EXISTS (SELECT 1 FROM almanac.jobs WHERE status = 'running' AND kind = $1)
                  OR EXISTS (SELECT 1 FROM almanac.jobs
-                             WHERE status = 'held' AND ordering_key IS NOT NULL)",
+                             WHERE status = 'held' AND ordering_key IS NOT NULL AND kind = $1)",
         )
+        .bind(KIND)
         .fetch_one(pool)
         .await?;
         if !left {
@@ -527,19 +584,31 @@ async fn timed_burn(
     let elapsed = started.elapsed();
     stop.cancel();
     running.await??;
-    let done: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.jobs WHERE status = 'done'")
-        .fetch_one(pool)
-        .await?;
+    // The jobs this burn finished (a range of `jobs_done_finished_idx`,
+    // not a count of every done row `bench --scale` keeps).
+    let done: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM almanac.jobs WHERE status = 'done' AND finished_at >= $1 AND kind = $2",
+    )
+    .bind(since)
+    .bind(KIND)
+    .fetch_one(pool)
+    .await?;
     Ok(done as f64 / elapsed.as_secs_f64())
 }
 
 /// Enqueue commit -> handler start, one job at a time into an idle queue.
-async fn latency(pool: &PgPool, listen: bool, samples: usize) -> anyhow::Result<Percentiles> {
+/// `floor`: the jobs at or below that id are kept (see [`fill_above`]).
+async fn latency(
+    pool: &PgPool,
+    floor: i64,
+    listen: bool,
+    samples: usize,
+) -> anyhow::Result<Percentiles> {
     let config = WorkerConfig {
         listen,
         ..WorkerConfig::default()
     };
-    sampled_latency(pool, config, samples).await
+    sampled_latency(pool, floor, config, samples).await
 }
 
 async fn latency_polling(
@@ -552,15 +621,16 @@ async fn latency_polling(
         poll_interval: poll,
         ..WorkerConfig::default()
     };
-    sampled_latency(pool, config, samples).await
+    sampled_latency(pool, 0, config, samples).await
 }
 
 async fn sampled_latency(
     pool: &PgPool,
+    floor: i64,
     config: WorkerConfig,
     samples: usize,
 ) -> anyhow::Result<Percentiles> {
-    vacuum(pool).await?;
+    vacuum_above(pool, floor).await?;
     let started_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let started = Arc::new(Notify::new());
     let (slot, signal) = (started_at.clone(), started.clone());

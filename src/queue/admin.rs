@@ -245,20 +245,24 @@ pub struct Stats {
 pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
     let by_kind_status = sqlx::query_as::<_, KindStatusCount>(
         r#"
-        SELECT kind, status, count(*) AS count FROM almanac.jobs
-         WHERE status = 'ready' GROUP BY kind, status
+        -- The status as a constant, not the column: a partial index does
+        -- not hold its predicate's column, so reading it ruled out an
+        -- index-only scan (a bitmap scan of the heap instead: 62 ms for
+        -- 128,000 ready jobs beside 7 ms; issue #26).
+        SELECT kind, 'ready'::text AS status, count(*) AS count FROM almanac.jobs
+         WHERE status = 'ready' GROUP BY kind
         UNION ALL
-        SELECT kind, status, count(*) FROM almanac.jobs
-         WHERE status = 'running' GROUP BY kind, status
+        SELECT kind, 'running', count(*) FROM almanac.jobs
+         WHERE status = 'running' GROUP BY kind
         UNION ALL
-        SELECT kind, status, count(*) FROM almanac.jobs
-         WHERE status = 'dead' GROUP BY kind, status
+        SELECT kind, 'dead', count(*) FROM almanac.jobs
+         WHERE status = 'dead' GROUP BY kind
         UNION ALL
-        SELECT kind, status, count(*) FROM almanac.jobs
-         WHERE status = 'cancelled' GROUP BY kind, status
+        SELECT kind, 'cancelled', count(*) FROM almanac.jobs
+         WHERE status = 'cancelled' GROUP BY kind
         UNION ALL
-        SELECT kind, status, count(*) FROM almanac.jobs
-         WHERE status = 'held' AND ordering_key IS NOT NULL GROUP BY kind, status
+        SELECT kind, 'held', count(*) FROM almanac.jobs
+         WHERE status = 'held' AND ordering_key IS NOT NULL GROUP BY kind
         ORDER BY kind, status
         "#,
     )

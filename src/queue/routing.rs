@@ -139,6 +139,8 @@ pub async fn move_window(
 /// worker held when the walk passed it, or an enqueue whose REPEATABLE READ
 /// snapshot predates the last `route set`.
 pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
+    // Reads every ready job of the routed kinds (no index leads with the
+    // route; one would cost every enqueue an entry: docs/speed.md).
     sqlx::query_scalar(
         r#"
         SELECT r.kind FROM almanac.routes AS r
@@ -151,6 +153,7 @@ pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>,
     .fetch_all(db)
     .await
 }
+
 
 /// Where a re-drive sweep stands: candidates due by `until` (fixed when the
 /// sweep starts, so a sweep ends even while jobs keep coming due), after the

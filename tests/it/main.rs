@@ -19,6 +19,7 @@ mod harness;
 
 mod alerts;
 mod api;
+mod bench_scale;
 mod broker_backlog;
 mod bulk;
 mod cancel;

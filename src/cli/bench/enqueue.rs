@@ -48,7 +48,7 @@ const ROUNDS: usize = 10;
 
 /// One way of enqueueing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Way {
+pub(super) enum Way {
     SqlFunction,
     RustApi,
     HandWritten,
@@ -158,7 +158,7 @@ impl Figures {
 
 /// `transactions` transactions of `size` jobs each, spread over
 /// `connections` connections.
-async fn run(
+pub(super) async fn run(
     pool: &PgPool,
     connections: usize,
     way: Way,
