@@ -154,7 +154,6 @@ pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>,
     .await
 }
 
-
 /// Where a re-drive sweep stands: candidates due by `until` (fixed when the
 /// sweep starts, so a sweep ends even while jobs keep coming due), after the
 /// `(run_at, id)` of the last one looked at. `None`: a new sweep.
