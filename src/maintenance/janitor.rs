@@ -14,14 +14,14 @@
 //! cut to the time the batch took: at most half of the janitor's time goes
 //! to deleting, and a queue that finishes more jobs a second than
 //! `batch_size` per `pause` (10,000 by default) does not outgrow its
-//! retention for good (`almanac bench --retention-only` measures it). Several janitors may run; they skip each
-//! other's rows. It never deletes ledger rows (`schedule_runs`): a deleted
-//! job leaves its logical run recorded, so the run is never emitted again.
+//! retention for good (`almanac bench --retention-only` measures it).
+//! Several janitors may run; they skip each other's rows. It never deletes
+//! ledger rows (`schedule_runs`): a deleted job leaves its logical run
+//! recorded, so the run is never emitted again.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-
 use serde::Serialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
