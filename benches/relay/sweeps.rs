@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use almanac::queue::routing;
+use almanac::relay::reconcile::Reconciler;
 use almanac::relay::routes::{self, Reconciled, RouteMode};
 use almanac::relay::SinkKind;
 use sqlx::PgPool;
@@ -163,11 +164,13 @@ async fn redrive_sweep(pool: &PgPool) -> anyhow::Result<(Duration, usize)> {
     }
 }
 
-/// One reconcile sweep, as a relay runs it.
+/// One reconcile sweep that looks at every routed kind, as a relay runs it
+/// after it starts or a route changes (once routes settle a sweep reads
+/// only `routes` and `pg_locks`: `relay/reconcile.rs`).
 async fn reconcile_sweep(pool: &PgPool) -> anyhow::Result<Duration> {
     let mut conn = pool.acquire().await?;
     let start = Instant::now();
-    let done = routes::reconcile(&mut conn).await?;
+    let done = Reconciler::default().sweep(&mut conn).await?;
     let took = start.elapsed();
     anyhow::ensure!(
         done == Reconciled::default(),

@@ -134,22 +134,28 @@ pub async fn move_window(
     })
 }
 
-/// Kinds with a route that have ready jobs on another route: a walk of
-/// [`move_window`]s that was cut short (a `route set` interrupted), a row a
-/// worker held when the walk passed it, or an enqueue whose REPEATABLE READ
-/// snapshot predates the last `route set`.
-pub async fn kinds_off_route<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
-    // Reads every ready job of the routed kinds (no index leads with the
-    // route; one would cost every enqueue an entry: docs/speed.md).
+/// Of `kinds`, those with a route that have ready jobs on another route: a
+/// walk of [`move_window`]s that was cut short (a `route set` interrupted),
+/// a row a worker held when the walk passed it, or an enqueue whose
+/// REPEATABLE READ snapshot predates the last `route set`.
+pub async fn kinds_off_route<'e>(
+    db: impl PgExecutor<'e>,
+    kinds: &[String],
+) -> Result<Vec<String>, sqlx::Error> {
+    // Reads every ready job of the kinds (no index leads with the route;
+    // one would cost every enqueue an entry: docs/speed.md). The relays'
+    // reconcile asks only about kinds whose route changed lately
+    // (`relay/reconcile.rs`).
     sqlx::query_scalar(
         r#"
         SELECT r.kind FROM almanac.routes AS r
-        WHERE EXISTS (
+        WHERE r.kind = ANY($1) AND EXISTS (
             SELECT 1 FROM almanac.jobs AS j
             WHERE j.kind = r.kind AND j.status = 'ready' AND j.route <> r.mode)
         ORDER BY r.kind
         "#,
     )
+    .bind(kinds)
     .fetch_all(db)
     .await
 }

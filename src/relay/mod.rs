@@ -79,7 +79,8 @@
 //!   says when it lets it go.
 //! - **Reconcile.** Every `reconcile_interval` the relay repairs jobs whose
 //!   route disagrees with `almanac.routes` and pending rows addressed to a
-//!   sink or destination their kind no longer uses ([`routes::reconcile`]).
+//!   sink or destination their kind no longer uses; it looks at a kind only
+//!   until its route has settled, and hourly after ([`reconcile`]).
 //! - LISTEN/NOTIFY (`almanac_outbox`) wakes the relay; polling is the safety net.
 //! - **Tracing** (off unless [`Relay::with_tracer`]): a row whose headers
 //!   carry a `traceparent` is published under an `almanac.publish` span,
@@ -91,6 +92,7 @@ pub mod kafka;
 pub mod outbox;
 pub mod publisher;
 pub mod rabbitmq;
+pub mod reconcile;
 pub mod routes;
 mod spans;
 
@@ -168,6 +170,8 @@ pub struct Relay {
     stop: CancellationToken,
     /// Whether the broker blocked the publisher when last looked at.
     blocked: bool,
+    /// Which kinds' routes have settled (`relay/reconcile.rs`).
+    reconciler: tokio::sync::Mutex<reconcile::Reconciler>,
 }
 
 /// How long claims may start after the previous batch instead of from the
@@ -190,6 +194,7 @@ impl Relay {
             claimed_from_start: Instant::now(),
             stop: CancellationToken::new(),
             blocked: false,
+            reconciler: Default::default(),
         }
     }
 
@@ -484,7 +489,7 @@ impl Relay {
     /// Repairs jobs and rows that disagree with their kind's route.
     pub async fn reconcile(&self) -> Result<routes::Reconciled, RelayError> {
         let mut conn = self.pool.acquire().await?;
-        Ok(routes::reconcile(&mut conn).await?)
+        Ok(self.reconciler.lock().await.sweep(&mut conn).await?)
     }
 
     async fn maintain(&mut self, next_redrive: &mut Instant, next_reconcile: &mut Instant) {

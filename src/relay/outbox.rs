@@ -587,23 +587,39 @@ pub async fn readdress(
     Ok((moved, dropped))
 }
 
-/// Kinds with ready jobs whose pending rows [`readdress`] would change. (A
-/// running job's row is left alone: a consumer finds the job taken and
-/// skips its message, and the job takes its kind's route when it is ready
-/// again.)
-pub async fn misaddressed_kinds<'e>(db: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(
+/// A kind of `kinds` with pending rows [`readdress`] would change, and
+/// whose jobs those are.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Misaddressed {
+    pub kind: String,
+    /// Some of those jobs are ready: a walk re-addresses their rows. When
+    /// all are running, their rows are left alone (a consumer finds the job
+    /// taken and skips its message; the job takes its kind's route when it
+    /// is ready again, and its old row is then the ready case).
+    pub ready: bool,
+}
+
+/// Of `kinds`, those with pending rows addressed where their ready or
+/// running jobs' route no longer goes ([`Misaddressed`]).
+pub async fn misaddressed_kinds<'e>(
+    db: impl PgExecutor<'e>,
+    kinds: &[String],
+) -> Result<Vec<Misaddressed>, sqlx::Error> {
+    sqlx::query_as(
         r#"
-        SELECT DISTINCT j.kind
+        SELECT j.kind, bool_or(j.status = 'ready') AS ready
         FROM almanac.outbox AS o
         JOIN almanac.jobs AS j ON j.id = o.job_id
         LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-        WHERE o.published_at IS NULL AND o.failed_at IS NULL AND j.status = 'ready'
-          AND (j.route = 'db'
-               OR (r.mode <> 'db'
-                   AND (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination)))
+        WHERE o.published_at IS NULL AND o.failed_at IS NULL
+          AND j.status IN ('ready', 'running') AND j.kind = ANY($1)
+          AND (j.route = 'db' OR coalesce(r.mode, 'db') = 'db'
+               OR (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))
+        GROUP BY j.kind
+        ORDER BY j.kind
         "#,
     )
+    .bind(kinds)
     .fetch_all(db)
     .await
 }

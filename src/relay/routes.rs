@@ -21,7 +21,8 @@
 //! relays and the scheduler go on. Until the walk is over, jobs not yet
 //! moved run where they were (`db` jobs of a kind now on the broker wait
 //! for their window). A walk cut short (the command interrupted, a
-//! window that kept failing) is finished by the relays' [`reconcile`], or
+//! window that kept failing) is finished by the relays' reconcile
+//! ([`super::reconcile`]), or
 //! by running the same `route set` again. So no ready job stays addressed to
 //! a sink or destination the kind no longer uses, and a retired sink's
 //! relay can go away once the walk is done.
@@ -34,7 +35,7 @@
 //! the old route (and addresses its outbox row to the old destination). We
 //! do not refuse such enqueues — many applications run their business
 //! transactions at those levels and enqueue is meant to join them — instead
-//! [`reconcile`], run by every relay on an interval, moves jobs whose route
+//! the reconcile run by every relay on an interval moves jobs whose route
 //! disagrees with `routes` and re-addresses their pending rows, so the case
 //! heals within one sweep.
 
@@ -328,7 +329,7 @@ async fn write_route(
 /// (a busy moment passes); the relay's reconcile leaves the kind for its
 /// next sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Persist {
+pub(super) enum Persist {
     Retry,
     GiveUp,
 }
@@ -337,7 +338,7 @@ enum Persist {
 /// looks again at the jobs windows skipped because another transaction
 /// held them, a few times over about two seconds. On an error, returns what
 /// was done before it.
-async fn walk(
+pub(super) async fn walk(
     conn: &mut PgConnection,
     kind: &str,
     persist: Persist,
@@ -473,33 +474,4 @@ pub struct Reconciled {
     /// Ready jobs off the route that other transactions held throughout
     /// (the next sweep, or the same `route set` again, moves them).
     pub jobs_held: u64,
-}
-
-/// Moves ready jobs whose route disagrees with `almanac.routes` onto it and
-/// points their pending outbox rows at their kind's current sink and
-/// destination (see the module doc): a walk of each such kind, window by
-/// window. A window whose locks are not free within a second ends the
-/// kind's walk until the next sweep.
-pub async fn reconcile(conn: &mut PgConnection) -> Result<Reconciled, sqlx::Error> {
-    let mut done = Reconciled::default();
-    let mut kinds = routing::kinds_off_route(&mut *conn).await?;
-    kinds.extend(outbox::misaddressed_kinds(&mut *conn).await?);
-    kinds.sort_unstable();
-    kinds.dedup();
-    for kind in kinds {
-        let walked = match walk(conn, &kind, Persist::GiveUp).await {
-            Ok(walked) => walked,
-            Err((walked, sqlx::Error::Database(e)))
-                if matches!(e.code().as_deref(), Some("40P01" | "55P03")) =>
-            {
-                walked
-            }
-            Err((_, e)) => return Err(e),
-        };
-        done.jobs_moved += walked.jobs_moved;
-        done.rows_readdressed += walked.rows_readdressed;
-        done.rows_dropped += walked.rows_dropped;
-        done.jobs_held += walked.jobs_held;
-    }
-    Ok(done)
 }

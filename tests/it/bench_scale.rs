@@ -99,6 +99,7 @@ async fn every_figure_is_reported_at_every_size(pool: PgPool) {
         "reaper sweep (1000 expired)",
         "re-drive sweep (rabbitmq)",
         "reconcile sweep",
+        "reconcile sweep, every kind looked at",
         "janitor deletion (done past retention)",
         "almanac.jobs table bytes",
         "almanac.jobs index bytes",

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use almanac::queue::{self, NewJob};
 use almanac::relay::outbox;
+use almanac::relay::reconcile::Reconciler;
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::{Publisher, Relay, SinkKind};
 use almanac::role::{Role, Settings};
@@ -248,6 +249,157 @@ async fn redrive_ignores_rows_addressed_to_an_old_destination(pool: PgPool) {
     );
     assert_eq!(
         count(&pool, "SELECT count(*) FROM almanac.outbox WHERE destination = 'current' AND published_at IS NULL").await,
+        1
+    );
+}
+
+// ---- reconcile looks at a kind until its route has settled ----
+
+/// Sweeps until `reconciler` looks at no kind (every route settled),
+/// adding up what the sweeps repaired.
+async fn sweep_until_settled(pool: &PgPool, reconciler: &mut Reconciler) -> routes::Reconciled {
+    let mut total = routes::Reconciled::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let done = reconciler
+            .sweep(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap();
+        total.jobs_moved += done.jobs_moved;
+        total.rows_readdressed += done.rows_readdressed;
+        if reconciler.looked_at() == 0 {
+            return total;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the routes never settled: {reconciler:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A sweep stops reading a kind's jobs once its route has settled, but not
+/// while a transaction that could still write a stray is open: here a
+/// REPEATABLE READ transaction whose snapshot predates the change, which
+/// enqueues on the old route only after several sweeps found the kind
+/// clean. Settling then would have left its job on `db` for an hour.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_route_settles_only_after_older_snapshots_end(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    let dest = unique("settle");
+    ensure(sink, &dest).await;
+    let mut app = harness::another_pool(&pool, 1)
+        .await
+        .acquire()
+        .await
+        .unwrap()
+        .detach();
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.routes")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    set(&pool, RouteMode::Broker, sink, &dest).await;
+
+    let mut reconciler = Reconciler::default();
+    for sweep in 0..3 {
+        let done = reconciler
+            .sweep(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap();
+        assert_eq!(done, routes::Reconciled::default(), "sweep {sweep}");
+        assert_eq!(reconciler.looked_at(), 1, "sweep {sweep}: {reconciler:?}");
+        assert!(
+            reconciler.settled().is_empty(),
+            "sweep {sweep}: {reconciler:?}"
+        );
+    }
+    queue::enqueue(&mut tx, &NewJob::new("task").idempotency_key("late"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let healed = sweep_until_settled(&pool, &mut reconciler).await;
+    assert_eq!(healed.jobs_moved, 1, "the late enqueue's job: {healed:?}");
+    assert_eq!(reconciler.settled(), vec!["task".to_string()]);
+    assert_eq!(
+        count(
+            &pool,
+            &format!(
+                "SELECT count(*) FROM almanac.jobs j JOIN almanac.outbox o ON o.job_id = j.id \
+             WHERE j.route = 'broker' AND o.destination = '{dest}' AND o.published_at IS NULL"
+            )
+        )
+        .await,
+        1,
+        "the job is on the broker route with a row to its destination"
+    );
+
+    // A change of the route unsettles it again.
+    let other = unique("settle-2");
+    ensure(sink, &other).await;
+    set(&pool, RouteMode::Broker, sink, &other).await;
+    reconciler
+        .sweep(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(reconciler.looked_at(), 1, "{reconciler:?}");
+    assert!(reconciler.settled().is_empty(), "{reconciler:?}");
+    sweep_until_settled(&pool, &mut reconciler).await;
+}
+
+/// A settled kind is looked at again after the recheck period: a stray
+/// from a path nobody foresaw (made by hand here) is repaired then.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_settled_kind_is_looked_at_again_after_the_recheck(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    let dest = unique("recheck");
+    ensure(sink, &dest).await;
+    set(&pool, RouteMode::Broker, sink, &dest).await;
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("task"))
+        .await
+        .unwrap();
+    let mut hourly = Reconciler::default();
+    let mut always = Reconciler::new(Duration::ZERO);
+    sweep_until_settled(&pool, &mut hourly).await;
+    for _ in 0..1200 {
+        always
+            .sweep(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap();
+        if !always.settled().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(always.settled(), vec!["task".to_string()], "{always:?}");
+    sqlx::query("UPDATE almanac.outbox SET destination = 'nowhere'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let done = hourly
+        .sweep(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        (done, hourly.looked_at()),
+        (routes::Reconciled::default(), 0)
+    );
+    let done = always
+        .sweep(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(done.rows_readdressed, 1, "{done:?}");
+    assert_eq!(
+        count(
+            &pool,
+            &format!("SELECT count(*) FROM almanac.outbox WHERE destination = '{dest}'")
+        )
+        .await,
         1
     );
 }

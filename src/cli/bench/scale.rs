@@ -24,7 +24,8 @@
 //! through the real HTTP server (median of five requests); `almanac stats`'
 //! snapshot and one collector refresh (median of five); one reaper sweep
 //! over 1,000 expired leases, one re-drive sweep (RabbitMQ, the default
-//! `redrive_after`) and one reconcile sweep; the janitor's deletion rate
+//! `redrive_after`) and a reconcile sweep once the routes settled and one
+//! looking at every routed kind; the janitor's deletion rate
 //! over 20,000 `done` jobs past retention (default batch, no pause); and
 //! the table and index sizes of `almanac.jobs`, `almanac.outbox` and
 //! `almanac.schedule_runs`. The goal of each time and rate is to stay
@@ -289,8 +290,31 @@ async fn measure(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<Figur
         Ok(())
     })
     .await?;
+    // A relay's sweep once every route has settled (the steady state), and
+    // one that looks at every routed kind (after a start or a route change,
+    // and at each kind's hourly look): `relay/reconcile.rs`.
+    use crate::relay::reconcile::Reconciler;
+    let settled = tokio::sync::Mutex::new(Reconciler::default());
+    for _ in 0..20 {
+        let mut r = settled.lock().await;
+        r.sweep(&mut *pool.acquire().await?).await?;
+        if r.looked_at() == 0 {
+            break;
+        }
+    }
     f.time("reconcile sweep", || async {
-        crate::relay::routes::reconcile(&mut *pool.acquire().await?).await?;
+        settled
+            .lock()
+            .await
+            .sweep(&mut *pool.acquire().await?)
+            .await?;
+        Ok(())
+    })
+    .await?;
+    f.time("reconcile sweep, every kind looked at", || async {
+        Reconciler::default()
+            .sweep(&mut *pool.acquire().await?)
+            .await?;
         Ok(())
     })
     .await?;

@@ -1,0 +1,213 @@
+//! The relays' reconcile sweep: jobs whose route disagrees with
+//! `almanac.routes`, and pending outbox rows addressed where their kind no
+//! longer goes, are put right (see `routes.rs` for how they arise).
+//!
+//! **A kind is looked at until it has settled, not forever.** Looking means
+//! reading every ready job of the kind and every pending outbox row (1.9 s
+//! at 10,000,000 jobs, docs/speed.md), so a sweep looks only at kinds whose
+//! route may still have strays:
+//!
+//! - A kind is *unsettled* when this relay first sees its route, and again
+//!   whenever the `routes` row changes (its `xmin`: every `route set`
+//!   writes it). The sweep that notices records the virtual transaction ids
+//!   of every transaction then open (`pg_locks`, readable by any role).
+//! - Strays come from transactions that cannot see the route: an enqueue or
+//!   a job made ready again under a snapshot older than the change (a
+//!   REPEATABLE READ transaction), and `route set`'s own walk cut short or
+//!   skipping rows other transactions held. Every snapshot older than the
+//!   change belongs to a transaction open when the change committed, so
+//!   once none of the recorded transactions is open, no stray can be
+//!   written any more; autovacuum workers are left out (they write no
+//!   jobs).
+//! - A kind settles at the first sweep that starts after that and finds it
+//!   clean: no ready job off its route, no pending row of a ready *or
+//!   running* job addressed elsewhere (a running job's row is left alone,
+//!   and becomes a ready job's stray when the job fails), and nothing held.
+//!   Until then every sweep looks at it, as before.
+//! - A settled kind is looked at again every [`RECHECK`] (an hour), and on
+//!   every relay start: the safety net for a stray from a path nobody
+//!   foresaw, bounded to one full look an hour. A stray found at a recheck
+//!   is repaired and logged as a warning.
+//!
+//! So a quiet cluster's sweep reads the `routes` table and `pg_locks`, and
+//! a route change costs full looks only until the transactions that could
+//! miss it have ended.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::PgConnection;
+use tokio::time::Instant;
+
+use super::outbox;
+use super::routes::{walk, Persist, Reconciled};
+use crate::queue::routing;
+
+/// How often a settled kind is looked at again.
+pub const RECHECK: Duration = Duration::from_secs(3600);
+
+/// What this relay knows of one kind's route.
+#[derive(Debug, Clone)]
+enum Known {
+    /// The route changed (or was first seen) at `version`; strays may still
+    /// be written by these transactions, open when that was noticed.
+    Unsettled { version: String, open: Vec<String> },
+    /// Found clean after every transaction that could miss `version` ended.
+    Settled { version: String, at: Instant },
+}
+
+/// The reconcile sweep's memory of which kinds have settled (see the
+/// module doc). One per relay.
+#[derive(Debug)]
+pub struct Reconciler {
+    known: HashMap<String, Known>,
+    recheck: Duration,
+    looked_at: usize,
+}
+
+impl Default for Reconciler {
+    fn default() -> Self {
+        Reconciler::new(RECHECK)
+    }
+}
+
+impl Reconciler {
+    /// A reconciler that looks again at a settled kind every `recheck`.
+    pub fn new(recheck: Duration) -> Self {
+        Reconciler {
+            known: HashMap::new(),
+            recheck,
+            looked_at: 0,
+        }
+    }
+
+    /// How many kinds the last sweep looked at.
+    pub fn looked_at(&self) -> usize {
+        self.looked_at
+    }
+
+    /// Kinds settled now, sorted.
+    pub fn settled(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = self
+            .known
+            .iter()
+            .filter(|(_, k)| matches!(k, Known::Settled { .. }))
+            .map(|(kind, _)| kind.clone())
+            .collect();
+        kinds.sort_unstable();
+        kinds
+    }
+
+    /// One sweep: moves ready jobs whose route disagrees with
+    /// `almanac.routes` onto it and points their pending outbox rows at
+    /// their kind's current sink and destination, for the kinds not settled
+    /// (a walk of each such kind, window by window; a window whose locks are
+    /// not free within a second ends the kind's walk until the next sweep).
+    pub async fn sweep(&mut self, conn: &mut PgConnection) -> Result<Reconciled, sqlx::Error> {
+        let routes: Vec<(String, String)> =
+            sqlx::query_as("SELECT kind, xmin::text FROM almanac.routes")
+                .fetch_all(&mut *conn)
+                .await?;
+        let open: Vec<String> = sqlx::query_scalar(OPEN_SQL).fetch_all(&mut *conn).await?;
+        let now = Instant::now();
+        self.known
+            .retain(|kind, _| routes.iter().any(|(k, _)| k == kind));
+        // Kinds to look at, and whether a clean look settles each.
+        let mut look: Vec<(String, bool)> = Vec::new();
+        for (kind, version) in routes {
+            let known = self.known.get(&kind);
+            match known {
+                Some(Known::Settled { version: v, at })
+                    if *v == version && now.duration_since(*at) < self.recheck => {}
+                Some(Known::Settled { version: v, .. }) if *v == version => {
+                    look.push((kind, true));
+                }
+                Some(Known::Unsettled {
+                    version: v,
+                    open: was,
+                }) if *v == version => {
+                    let ended = !was.iter().any(|x| open.contains(x));
+                    look.push((kind, ended));
+                }
+                _ => {
+                    self.known.insert(
+                        kind.clone(),
+                        Known::Unsettled {
+                            version,
+                            open: open.clone(),
+                        },
+                    );
+                    look.push((kind, false));
+                }
+            }
+        }
+        self.looked_at = look.len();
+        let mut done = Reconciled::default();
+        if look.is_empty() {
+            return Ok(done);
+        }
+        let kinds: Vec<String> = look.iter().map(|(k, _)| k.clone()).collect();
+        let mut dirty = routing::kinds_off_route(&mut *conn, &kinds).await?;
+        let mut to_walk = dirty.clone();
+        for m in outbox::misaddressed_kinds(&mut *conn, &kinds).await? {
+            if m.ready {
+                to_walk.push(m.kind.clone());
+            }
+            dirty.push(m.kind);
+        }
+        to_walk.sort_unstable();
+        to_walk.dedup();
+        for kind in &to_walk {
+            let walked = match walk(conn, kind, Persist::GiveUp).await {
+                Ok(walked) => walked,
+                Err((walked, sqlx::Error::Database(e)))
+                    if matches!(e.code().as_deref(), Some("40P01" | "55P03")) =>
+                {
+                    walked
+                }
+                Err((_, e)) => return Err(e),
+            };
+            done.jobs_moved += walked.jobs_moved;
+            done.rows_readdressed += walked.rows_readdressed;
+            done.rows_dropped += walked.rows_dropped;
+            done.jobs_held += walked.jobs_held;
+        }
+        for (kind, settles) in look {
+            let clean = !dirty.contains(&kind);
+            let Some(known) = self.known.get_mut(&kind) else {
+                continue;
+            };
+            match known {
+                Known::Settled { at, .. } if clean => *at = now,
+                Known::Settled { version, .. } => {
+                    tracing::warn!(
+                        kind,
+                        "reconcile found jobs or outbox rows of a settled kind off its route at its hourly look, and repaired them"
+                    );
+                    *known = Known::Unsettled {
+                        version: std::mem::take(version),
+                        open: open.clone(),
+                    };
+                }
+                Known::Unsettled { version, .. } if clean && settles => {
+                    *known = Known::Settled {
+                        version: std::mem::take(version),
+                        at: now,
+                    };
+                }
+                Known::Unsettled { .. } => {}
+            }
+        }
+        Ok(done)
+    }
+}
+
+/// The virtual transaction ids of the transactions open now, but this
+/// session's and autovacuum's.
+const OPEN_SQL: &str = r#"
+    SELECT l.virtualxid
+    FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE l.locktype = 'virtualxid' AND l.granted
+      AND l.pid IS DISTINCT FROM pg_backend_pid()
+      AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+"#;
