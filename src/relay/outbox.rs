@@ -587,20 +587,22 @@ pub async fn readdress(
     Ok((moved, dropped))
 }
 
-/// A kind of `kinds` with pending rows [`readdress`] would change, and
-/// whose jobs those are.
+/// A kind of `kinds` with pending rows addressed where its route no longer
+/// goes, and whose jobs those are.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Misaddressed {
     pub kind: String,
-    /// Some of those jobs are ready: a walk re-addresses their rows. When
-    /// all are running, their rows are left alone (a consumer finds the job
-    /// taken and skips its message; the job takes its kind's route when it
-    /// is ready again, and its old row is then the ready case).
+    /// Some of those jobs are ready: a walk re-addresses their rows
+    /// ([`readdress`]). The rows of jobs in other states are left alone: a
+    /// consumer finds a running or finished job taken and skips its
+    /// message, and a job made ready again (a failure retried, a dead or
+    /// cancelled job retried by an operator) gets a row on its kind's
+    /// route, its old row then being the ready case.
     pub ready: bool,
 }
 
-/// Of `kinds`, those with pending rows addressed where their ready or
-/// running jobs' route no longer goes ([`Misaddressed`]).
+/// Of `kinds`, those with pending rows addressed where their route no
+/// longer goes ([`Misaddressed`]), whatever their jobs' state.
 pub async fn misaddressed_kinds<'e>(
     db: impl PgExecutor<'e>,
     kinds: &[String],
@@ -611,8 +613,7 @@ pub async fn misaddressed_kinds<'e>(
         FROM almanac.outbox AS o
         JOIN almanac.jobs AS j ON j.id = o.job_id
         LEFT JOIN almanac.routes AS r ON r.kind = j.kind
-        WHERE o.published_at IS NULL AND o.failed_at IS NULL
-          AND j.status IN ('ready', 'running') AND j.kind = ANY($1)
+        WHERE o.published_at IS NULL AND o.failed_at IS NULL AND j.kind = ANY($1)
           AND (j.route = 'db' OR coalesce(r.mode, 'db') = 'db'
                OR (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))
         GROUP BY j.kind

@@ -8,22 +8,31 @@
 //! route may still have strays:
 //!
 //! - A kind is *unsettled* when this relay first sees its route, and again
-//!   whenever the `routes` row changes (its `xmin`: every `route set`
-//!   writes it). The sweep that notices records the virtual transaction ids
-//!   of every transaction then open (`pg_locks`, readable by any role).
+//!   whenever the `routes` row changes (its `xmin` and `updated_at`: every
+//!   `route set` writes both). The sweep that notices records the
+//!   transactions then open in this database: their virtual transaction ids
+//!   (`pg_locks`, readable by any role) and the prepared transactions
+//!   (`pg_prepared_xacts`, which keep no virtual id once prepared).
 //! - Strays come from transactions that cannot see the route: an enqueue or
 //!   a job made ready again under a snapshot older than the change (a
 //!   REPEATABLE READ transaction), and `route set`'s own walk cut short or
 //!   skipping rows other transactions held. Every snapshot older than the
 //!   change belongs to a transaction open when the change committed, so
 //!   once none of the recorded transactions is open, no stray can be
-//!   written any more; autovacuum workers are left out (they write no
-//!   jobs).
+//!   written any more; autovacuum workers and other databases' sessions
+//!   are left out (they cannot write these tables). Not covered: a
+//!   transaction that imports, with `SET TRANSACTION SNAPSHOT`, a snapshot
+//!   exported before the change, and writers that do not take the route
+//!   through `almanac.route_of` (almanac before migration 0107, a
+//!   hand-written `UPDATE ... SET status = 'ready'`): their strays wait for
+//!   the hourly look.
 //! - A kind settles at the first sweep that starts after that and finds it
-//!   clean: no ready job off its route, no pending row of a ready *or
-//!   running* job addressed elsewhere (a running job's row is left alone,
-//!   and becomes a ready job's stray when the job fails), and nothing held.
-//!   Until then every sweep looks at it, as before.
+//!   clean: no ready job off its route, no pending row addressed elsewhere
+//!   whatever its job's state (the rows of running, dead and cancelled
+//!   jobs are left alone, and become a ready job's stray when the job is
+//!   made ready again), and nothing held. Until then every sweep looks at
+//!   it, as before; a kind still unsettled ten minutes on is logged once,
+//!   with how many of the recorded transactions are still open.
 //! - A settled kind is looked at again every [`RECHECK`] (an hour), and on
 //!   every relay start: the safety net for a stray from a path nobody
 //!   foresaw, bounded to one full look an hour. A stray found at a recheck
@@ -33,7 +42,8 @@
 //! a route change costs full looks only until the transactions that could
 //! miss it have ended.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgConnection;
@@ -45,15 +55,31 @@ use crate::queue::routing;
 
 /// How often a settled kind is looked at again.
 pub const RECHECK: Duration = Duration::from_secs(3600);
+/// How long a kind may stay unsettled before it is logged.
+const SLOW_TO_SETTLE: Duration = Duration::from_secs(600);
 
 /// What this relay knows of one kind's route.
 #[derive(Debug, Clone)]
 enum Known {
-    /// The route changed (or was first seen) at `version`; strays may still
-    /// be written by these transactions, open when that was noticed.
-    Unsettled { version: String, open: Vec<String> },
+    /// The route changed (or was first seen) at `version`, noticed at
+    /// `since`; strays may still be written by the transactions open then.
+    Unsettled {
+        version: String,
+        open: Arc<HashSet<String>>,
+        since: Instant,
+        logged: bool,
+    },
     /// Found clean after every transaction that could miss `version` ended.
     Settled { version: String, at: Instant },
+}
+
+fn unsettled(version: String, open: &Arc<HashSet<String>>, now: Instant) -> Known {
+    Known::Unsettled {
+        version,
+        open: open.clone(),
+        since: now,
+        logged: false,
+    }
 }
 
 /// The reconcile sweep's memory of which kinds have settled (see the
@@ -104,19 +130,25 @@ impl Reconciler {
     /// (a walk of each such kind, window by window; a window whose locks are
     /// not free within a second ends the kind's walk until the next sweep).
     pub async fn sweep(&mut self, conn: &mut PgConnection) -> Result<Reconciled, sqlx::Error> {
-        let routes: Vec<(String, String)> =
-            sqlx::query_as("SELECT kind, xmin::text FROM almanac.routes")
+        let routes: Vec<(String, String)> = sqlx::query_as(
+            "SELECT kind, xmin::text || ' ' || updated_at::text FROM almanac.routes",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        let open: Arc<HashSet<String>> = Arc::new(
+            sqlx::query_scalar::<_, String>(OPEN_SQL)
                 .fetch_all(&mut *conn)
-                .await?;
-        let open: Vec<String> = sqlx::query_scalar(OPEN_SQL).fetch_all(&mut *conn).await?;
+                .await?
+                .into_iter()
+                .collect(),
+        );
         let now = Instant::now();
-        self.known
-            .retain(|kind, _| routes.iter().any(|(k, _)| k == kind));
+        let routed: HashSet<&str> = routes.iter().map(|(k, _)| k.as_str()).collect();
+        self.known.retain(|kind, _| routed.contains(kind.as_str()));
         // Kinds to look at, and whether a clean look settles each.
         let mut look: Vec<(String, bool)> = Vec::new();
         for (kind, version) in routes {
-            let known = self.known.get(&kind);
-            match known {
+            match self.known.get_mut(&kind) {
                 Some(Known::Settled { version: v, at })
                     if *v == version && now.duration_since(*at) < self.recheck => {}
                 Some(Known::Settled { version: v, .. }) if *v == version => {
@@ -125,18 +157,23 @@ impl Reconciler {
                 Some(Known::Unsettled {
                     version: v,
                     open: was,
+                    since,
+                    logged,
                 }) if *v == version => {
-                    let ended = !was.iter().any(|x| open.contains(x));
-                    look.push((kind, ended));
+                    let still = was.iter().filter(|x| open.contains(*x)).count();
+                    if still > 0 && !*logged && now.duration_since(*since) >= SLOW_TO_SETTLE {
+                        *logged = true;
+                        tracing::info!(
+                            kind,
+                            transactions = still,
+                            "the kind's route changed ten minutes ago or more and transactions open then are still open, so reconcile goes on reading its ready jobs every sweep; end long transactions (pg_stat_activity.xact_start) to stop it"
+                        );
+                    }
+                    look.push((kind, still == 0));
                 }
                 _ => {
-                    self.known.insert(
-                        kind.clone(),
-                        Known::Unsettled {
-                            version,
-                            open: open.clone(),
-                        },
-                    );
+                    self.known
+                        .insert(kind.clone(), unsettled(version, &open, now));
                     look.push((kind, false));
                 }
             }
@@ -147,13 +184,13 @@ impl Reconciler {
             return Ok(done);
         }
         let kinds: Vec<String> = look.iter().map(|(k, _)| k.clone()).collect();
-        let mut dirty = routing::kinds_off_route(&mut *conn, &kinds).await?;
-        let mut to_walk = dirty.clone();
+        let mut to_walk = routing::kinds_off_route(&mut *conn, &kinds).await?;
+        let mut dirty: HashSet<String> = to_walk.iter().cloned().collect();
         for m in outbox::misaddressed_kinds(&mut *conn, &kinds).await? {
             if m.ready {
                 to_walk.push(m.kind.clone());
             }
-            dirty.push(m.kind);
+            dirty.insert(m.kind);
         }
         to_walk.sort_unstable();
         to_walk.dedup();
@@ -182,14 +219,12 @@ impl Reconciler {
                 Known::Settled { version, .. } => {
                     tracing::warn!(
                         kind,
-                        "reconcile found jobs or outbox rows of a settled kind off its route at its hourly look, and repaired them"
+                        "reconcile's hourly look at a settled kind found ready jobs off its route or pending outbox rows addressed elsewhere (a writer that does not take the route through almanac.route_of?); ready jobs' are repaired now"
                     );
-                    *known = Known::Unsettled {
-                        version: std::mem::take(version),
-                        open: open.clone(),
-                    };
+                    *known = unsettled(std::mem::take(version), &open, now);
                 }
                 Known::Unsettled { version, .. } if clean && settles => {
+                    tracing::debug!(kind, "the kind's route settled");
                     *known = Known::Settled {
                         version: std::mem::take(version),
                         at: now,
@@ -202,12 +237,18 @@ impl Reconciler {
     }
 }
 
-/// The virtual transaction ids of the transactions open now, but this
-/// session's and autovacuum's.
+/// The transactions open now in this database, but this session's and
+/// autovacuum's: virtual transaction ids, and prepared transactions (which
+/// hold none) by their transaction id.
 const OPEN_SQL: &str = r#"
     SELECT l.virtualxid
     FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
     WHERE l.locktype = 'virtualxid' AND l.granted
       AND l.pid IS DISTINCT FROM pg_backend_pid()
       AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+      AND (a.datid IS NULL
+           OR a.datid = (SELECT oid FROM pg_database WHERE datname = current_database()))
+    UNION ALL
+    SELECT 'prepared ' || transaction::text FROM pg_prepared_xacts
+    WHERE database = current_database()
 "#;

@@ -403,3 +403,52 @@ async fn a_settled_kind_is_looked_at_again_after_the_recheck(pool: PgPool) {
         1
     );
 }
+
+/// A cancelled job keeps its pending row addressed to the old destination
+/// through a route change; retried, it is ready again with a row to the new
+/// one, and its old row is a ready job's stray. A fresh transaction makes
+/// it, after every one open at the change ended, so the kind must not have
+/// settled while the row was pending.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_cancelled_jobs_old_row_keeps_its_kind_unsettled_until_repaired(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    let (old, new) = (unique("cancel-old"), unique("cancel-new"));
+    ensure(sink, &old).await;
+    ensure(sink, &new).await;
+    set(&pool, RouteMode::Broker, sink, &old).await;
+    let id = queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("task"))
+        .await
+        .unwrap()
+        .id();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    queue::cancel_in(&mut tx, id, "test", None).await.unwrap();
+    tx.commit().await.unwrap();
+    set(&pool, RouteMode::Broker, sink, &new).await;
+
+    let mut reconciler = Reconciler::default();
+    for sweep in 0..5 {
+        reconciler
+            .sweep(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap();
+        assert!(
+            reconciler.settled().is_empty(),
+            "sweep {sweep}: {reconciler:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    queue::retry(&mut pool.acquire().await.unwrap(), id)
+        .await
+        .unwrap();
+    let healed = sweep_until_settled(&pool, &mut reconciler).await;
+    assert_eq!(healed.rows_readdressed, 1, "{healed:?}");
+    assert_eq!(
+        count(&pool, &format!(
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND destination <> '{new}'"
+        ))
+        .await,
+        0,
+        "no pending row is left addressed to the old destination"
+    );
+}

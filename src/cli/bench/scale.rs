@@ -295,13 +295,18 @@ async fn measure(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<Figur
     // and at each kind's hourly look): `relay/reconcile.rs`.
     use crate::relay::reconcile::Reconciler;
     let settled = tokio::sync::Mutex::new(Reconciler::default());
-    for _ in 0..20 {
+    for _ in 0..100 {
         let mut r = settled.lock().await;
         r.sweep(&mut *pool.acquire().await?).await?;
         if r.looked_at() == 0 {
             break;
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    anyhow::ensure!(
+        settled.lock().await.looked_at() == 0,
+        "the routes did not settle within 100 reconcile sweeps: a long transaction is open in the scratch database"
+    );
     f.time("reconcile sweep", || async {
         settled
             .lock()
