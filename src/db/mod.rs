@@ -210,12 +210,18 @@ async fn ensure_database(options: &PgConnectOptions, target: &Target) -> Result<
 /// with a sequential scan of the table and a hash join, which stayed the
 /// plan as the table grew (5,000 jobs a second fell to 180 within two
 /// minutes of inserts at 10,000 a second; `almanac bench
-/// --retention-only`). Planning each claim costs a fraction of a
-/// millisecond, shared by its batch.
+/// --retention-only`). The worker's claim connection is the exception
+/// ([`Held::generic_index_plans`]): planning the claim for every batch cost
+/// about a fifth of the runtime's throughput and doubled LISTEN latency
+/// (p50 2.7-3.2 ms against 1.2-1.3 ms, `almanac bench --scale 0,1000000`),
+/// and its generic plan alone read the grown table too (936 sequential
+/// scans in `tests/it/worker.rs`), so it keeps generic plans with
+/// sequential scans off.
 pub struct Held {
     options: PgConnectOptions,
     deadline: Duration,
     lock_wait: Duration,
+    custom_plans: bool,
     conn: Option<PgConnection>,
 }
 
@@ -227,6 +233,7 @@ impl Held {
             options: (*pool.connect_options()).clone(),
             deadline,
             lock_wait: deadline,
+            custom_plans: true,
             conn: None,
         }
     }
@@ -238,11 +245,21 @@ impl Held {
         self
     }
 
+    /// Statements keep a generic plan (PostgreSQL's default) but never scan
+    /// a table sequentially (`enable_seqscan = off`): for a connection whose
+    /// every statement is a walk of index ranges with a limit (the worker's
+    /// claim), so no plan made from an empty table's statistics reads the
+    /// grown table, and the statement is not planned for every batch.
+    pub fn generic_index_plans(mut self) -> Self {
+        self.custom_plans = false;
+        self
+    }
+
     /// The connection, connecting first if there is none.
     pub async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if self.conn.is_none() {
             let mut conn = PgConnection::connect_with(&self.options).await?;
-            bound_by(&mut conn, self.deadline, self.lock_wait).await?;
+            bound_by(&mut conn, self.deadline, self.lock_wait, self.custom_plans).await?;
             self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("connected above"))
@@ -262,6 +279,7 @@ async fn bound_by(
     conn: &mut PgConnection,
     deadline: Duration,
     lock_wait: Duration,
+    custom_plans: bool,
 ) -> Result<(), sqlx::Error> {
     let ms = deadline.as_millis().max(1);
     let idle = (deadline.as_secs() / 3).max(1);
@@ -272,11 +290,13 @@ async fn bound_by(
                 set_config('tcp_keepalives_idle', $2, false), \
                 set_config('tcp_keepalives_interval', $2, false), \
                 set_config('tcp_keepalives_count', '3', false), \
-                set_config('plan_cache_mode', 'force_custom_plan', false)",
+                set_config('plan_cache_mode', CASE WHEN $4 THEN 'force_custom_plan' ELSE current_setting('plan_cache_mode') END, false), \
+                set_config('enable_seqscan', CASE WHEN $4 THEN current_setting('enable_seqscan') ELSE 'off' END, false)",
     )
     .bind(ms.to_string())
     .bind(idle.to_string())
     .bind(lock_wait.as_millis().max(1).to_string())
+    .bind(custom_plans)
     .execute(conn)
     .await?;
     Ok(())
@@ -291,7 +311,7 @@ pub fn bounded_pool(pool: &PgPool, deadline: Duration, acquire: Duration, max: u
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max.max(1))
         .acquire_timeout(acquire)
-        .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline, deadline)))
+        .after_connect(move |conn, _| Box::pin(bound_by(conn, deadline, deadline, true)))
         .connect_lazy_with((*pool.connect_options()).clone())
 }
 

@@ -47,7 +47,7 @@ pub(super) async fn run(
     // A claim that gets no answer is abandoned: should it have committed,
     // its leases expire and the reaper takes the jobs back.
     let claim_within = config.lease / 3;
-    let mut link = db::Held::of(&pool, claim_within);
+    let mut link = db::Held::of(&pool, claim_within).generic_index_plans();
     // While the last claim came back full (a backlog), the next one waits
     // until half a batch of slots is free: a claim costs a round trip
     // whatever its size, and claims of one or two jobs at a time as single
