@@ -150,6 +150,31 @@ async fn kafka_to_rabbitmq_with_the_old_relay_gone_runs_every_job_once(pool: PgP
 
 // ---- a REPEATABLE READ snapshot older than the route ----
 
+/// A connection of its own, as an application's.
+async fn another_connection(pool: &PgPool) -> sqlx::PgConnection {
+    harness::another_pool(pool, 1)
+        .await
+        .acquire()
+        .await
+        .unwrap()
+        .detach()
+}
+
+/// A REPEATABLE READ transaction on `app` whose snapshot is taken now (by
+/// its first query), before whatever the test changes next.
+async fn old_snapshot(app: &mut sqlx::PgConnection) -> sqlx::Transaction<'_, sqlx::Postgres> {
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.routes")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 /// An enqueue in a REPEATABLE READ transaction whose snapshot was taken
 /// before `route set` committed. `before` is the route at snapshot time
 /// (`None`: the kind had none, so `db`).
@@ -162,22 +187,8 @@ async fn stale_snapshot_heals_in_one_sweep(pool: PgPool, before: Option<&str>) {
         ensure(sink, old).await;
         set(&pool, RouteMode::Broker, sink, old).await;
     }
-    let mut app = harness::another_pool(&pool, 1)
-        .await
-        .acquire()
-        .await
-        .unwrap()
-        .detach();
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    // The snapshot is taken by the transaction's first query.
-    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.routes")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let mut app = another_connection(&pool).await;
+    let mut tx = old_snapshot(&mut app).await;
     set(&pool, RouteMode::Broker, sink, &new).await;
     queue::enqueue(&mut tx, &NewJob::new("task").idempotency_key("rr:1"))
         .await
@@ -288,21 +299,8 @@ async fn a_route_settles_only_after_older_snapshots_end(pool: PgPool) {
     let sink = SinkKind::Rabbitmq;
     let dest = unique("settle");
     ensure(sink, &dest).await;
-    let mut app = harness::another_pool(&pool, 1)
-        .await
-        .acquire()
-        .await
-        .unwrap()
-        .detach();
-    let mut tx = app.begin().await.unwrap();
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.routes")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let mut app = another_connection(&pool).await;
+    let mut tx = old_snapshot(&mut app).await;
     set(&pool, RouteMode::Broker, sink, &dest).await;
 
     let mut reconciler = Reconciler::default();
