@@ -602,7 +602,10 @@ pub struct Misaddressed {
 }
 
 /// Of `kinds`, those with pending rows addressed where their route no
-/// longer goes ([`Misaddressed`]), whatever their jobs' state.
+/// longer goes ([`Misaddressed`]), of jobs in any state but `done` (no
+/// statement makes a done job ready again, so its row can never become a
+/// ready job's stray; in `dual` mode a kind keeps many, which a retired
+/// sink's relay would never publish).
 pub async fn misaddressed_kinds<'e>(
     db: impl PgExecutor<'e>,
     kinds: &[String],
@@ -614,6 +617,7 @@ pub async fn misaddressed_kinds<'e>(
         JOIN almanac.jobs AS j ON j.id = o.job_id
         LEFT JOIN almanac.routes AS r ON r.kind = j.kind
         WHERE o.published_at IS NULL AND o.failed_at IS NULL AND j.kind = ANY($1)
+          AND j.status <> 'done'
           AND (j.route = 'db' OR coalesce(r.mode, 'db') = 'db'
                OR (o.sink, o.destination) IS DISTINCT FROM (r.sink, r.destination))
         GROUP BY j.kind

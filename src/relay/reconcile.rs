@@ -30,9 +30,10 @@
 //!   clean: no ready job off its route, no pending row addressed elsewhere
 //!   whatever its job's state (the rows of running, dead and cancelled
 //!   jobs are left alone, and become a ready job's stray when the job is
-//!   made ready again), and nothing held. Until then every sweep looks at
-//!   it, as before; a kind still unsettled ten minutes on is logged once,
-//!   with how many of the recorded transactions are still open.
+//!   made ready again; done jobs' rows are left out, since nothing makes a
+//!   done job ready again), and nothing held. Until then every sweep looks
+//!   at it, as before; a kind still unsettled ten minutes on is logged
+//!   once, with how many of the recorded transactions are still open.
 //! - A settled kind is looked at again every [`RECHECK`] (an hour), and on
 //!   every relay start: the safety net for a stray from a path nobody
 //!   foresaw, bounded to one full look an hour. A stray found at a recheck
@@ -161,12 +162,12 @@ impl Reconciler {
                     logged,
                 }) if *v == version => {
                     let still = was.iter().filter(|x| open.contains(*x)).count();
-                    if still > 0 && !*logged && now.duration_since(*since) >= SLOW_TO_SETTLE {
+                    if !*logged && now.duration_since(*since) >= SLOW_TO_SETTLE {
                         *logged = true;
                         tracing::info!(
                             kind,
                             transactions = still,
-                            "the kind's route changed ten minutes ago or more and transactions open then are still open, so reconcile goes on reading its ready jobs every sweep; end long transactions (pg_stat_activity.xact_start) to stop it"
+                            "the kind's route changed ten minutes ago or more and has not settled, so reconcile goes on reading its ready jobs every sweep: either transactions open at the change are still open (end long transactions, pg_stat_activity.xact_start) or pending outbox rows of its dead or cancelled jobs are addressed where it no longer goes (run a relay for their sink until they are published)"
                         );
                     }
                     look.push((kind, still == 0));

@@ -450,3 +450,34 @@ async fn a_cancelled_jobs_old_row_keeps_its_kind_unsettled_until_repaired(pool: 
         "no pending row is left addressed to the old destination"
     );
 }
+
+/// A done job's pending row addressed to the old destination (in `dual`
+/// mode a database worker often runs the job before its message is
+/// published) does not keep the kind unsettled: nothing makes a done job
+/// ready again, and a retired sink's relay would never publish that row.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_done_jobs_old_row_does_not_keep_its_kind_unsettled(pool: PgPool) {
+    let sink = SinkKind::Rabbitmq;
+    let (old, new) = (unique("done-old"), unique("done-new"));
+    ensure(sink, &old).await;
+    ensure(sink, &new).await;
+    set(&pool, RouteMode::Dual, sink, &old).await;
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("task"))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE almanac.jobs SET status = 'done', finished_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    set(&pool, RouteMode::Dual, sink, &new).await;
+    let mut reconciler = Reconciler::default();
+    sweep_until_settled(&pool, &mut reconciler).await;
+    assert_eq!(
+        count(&pool, &format!(
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL AND destination = '{old}'"
+        ))
+        .await,
+        1,
+        "the done job's row is left as it was"
+    );
+}
