@@ -488,6 +488,92 @@ $$;
 
 
 --
+-- Name: job_counts_fold(boolean); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.job_counts_fold(recount boolean DEFAULT false) RETURNS text
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'almanac.job_counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(1634495841, 1668248942) THEN
+        RETURN 'busy';
+    END IF;
+    IF NOT recount THEN
+        SELECT NOT EXISTS (SELECT 1 FROM almanac.job_counts WHERE status = '*')
+               OR EXISTS (SELECT 1 FROM almanac.job_counts_read() r WHERE r.count < 0)
+          INTO recount;
+    END IF;
+    IF recount THEN
+        WITH gone AS (DELETE FROM almanac.job_counts)
+        INSERT INTO almanac.job_counts (kind, status, n)
+        SELECT j.kind, j.status, count(*) FROM almanac.jobs j GROUP BY 1, 2
+        UNION ALL
+        SELECT '', '*', 0;
+        RETURN 'recounted';
+    END IF;
+    WITH gone AS (DELETE FROM almanac.job_counts RETURNING kind, status, n)
+    INSERT INTO almanac.job_counts (kind, status, n)
+    SELECT g.kind, g.status, sum(g.n) FROM gone g GROUP BY 1, 2
+    HAVING sum(g.n) <> 0 OR g.status = '*';
+    RETURN 'folded';
+END $$;
+
+
+--
+-- Name: job_counts_read(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.job_counts_read() RETURNS TABLE(kind text, status text, count bigint)
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT c.kind, c.status, sum(c.n)::bigint
+      FROM almanac.job_counts c
+     GROUP BY 1, 2
+    HAVING sum(c.n) <> 0 OR c.status = '*';
+END $$;
+
+
+--
+-- Name: jobs_count(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.jobs_count() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO almanac.job_counts (kind, status, n)
+        SELECT kind, status, count(*) FROM counted_new GROUP BY 1, 2;
+    ELSIF TG_OP = 'UPDATE' THEN
+        INSERT INTO almanac.job_counts (kind, status, n)
+        SELECT kind, status, sum(n)
+          FROM (SELECT kind, status, -count(*) AS n FROM counted_old GROUP BY 1, 2
+                UNION ALL
+                SELECT kind, status, count(*) FROM counted_new GROUP BY 1, 2) AS moved
+         GROUP BY 1, 2
+        HAVING sum(n) <> 0;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO almanac.job_counts (kind, status, n)
+        SELECT kind, status, -count(*) FROM counted_old GROUP BY 1, 2;
+    ELSE -- TRUNCATE: no job is left; the counts stay whole. After any
+         -- fold in progress (the folders' lock), so none writes back rows
+         -- of jobs that are gone.
+        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
+        DELETE FROM almanac.job_counts WHERE status <> '*';
+    END IF;
+    RETURN NULL;
+END $$;
+
+
+--
 -- Name: jobs_note_ended_key(); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -1018,6 +1104,17 @@ CREATE TABLE almanac.consumer_marks (
     partition integer NOT NULL,
     drained_at timestamp with time zone NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+
+--
+-- Name: job_counts; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE UNLOGGED TABLE almanac.job_counts (
+    kind text NOT NULL,
+    status text NOT NULL,
+    n bigint NOT NULL
 );
 
 
@@ -1566,6 +1663,34 @@ CREATE INDEX schedule_runs_job_idx ON almanac.schedule_runs USING btree (job_id)
 --
 
 CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (schedule, fire_at DESC) WHERE (source <> 'backfill'::text);
+
+
+--
+-- Name: jobs jobs_count_delete; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_count_delete AFTER DELETE ON almanac.jobs REFERENCING OLD TABLE AS counted_old FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+
+--
+-- Name: jobs jobs_count_insert; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_count_insert AFTER INSERT ON almanac.jobs REFERENCING NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+
+--
+-- Name: jobs jobs_count_truncate; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_count_truncate AFTER TRUNCATE ON almanac.jobs FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+
+--
+-- Name: jobs jobs_count_update; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER jobs_count_update AFTER UPDATE ON almanac.jobs REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
 
 
 --

@@ -12,10 +12,19 @@ pub struct Args {
     /// One JSON object instead of tables.
     #[arg(long)]
     json: bool,
+    /// Count the jobs again and rebuild the counters `stats` reads (O(jobs)):
+    /// after a bulk load or delete made with triggers off.
+    #[arg(long)]
+    recount: bool,
 }
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.pool().await?;
+    // Fold the counters' rows first, so the read is of tens of rows.
+    let folded = crate::queue::counts::fold(&pool, args.recount).await?;
+    if args.recount && folded == crate::queue::counts::Fold::Busy {
+        anyhow::bail!("another process is folding the job counters right now; run `almanac stats --recount` again");
+    }
     let s = Snapshot::read(&mut *pool.acquire().await?).await?;
     if args.json {
         println!("{}", serde_json::to_string(&s)?);
@@ -37,7 +46,11 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
         "{:<24} {:<8} {:>10}",
         "(all kinds)",
         "done",
-        format!("~{}", s.jobs.done_estimate)
+        if s.jobs.done_exact {
+            s.jobs.done_estimate.to_string()
+        } else {
+            format!("~{}", s.jobs.done_estimate)
+        }
     );
     println!();
     if !s.jobs.oldest_due_ready.is_empty() {

@@ -1,6 +1,7 @@
 //! The reaper: returns jobs whose lease expired to `ready`, or to `dead` when
 //! their attempts are used up; and releases the ordering keys whose head
-//! ended while the key was busy ([`crate::queue::ordering`]).
+//! ended while the key was busy ([`crate::queue::ordering`]); and folds the
+//! job counters ([`crate::queue::counts`]).
 //!
 //! A lease expires when its worker died, hung, or lost the database for longer
 //! than the lease. Each sweep takes at most `batch_size` rows per statement
@@ -104,6 +105,9 @@ impl Periodic for Reaper {
             queue::ordering::sweep(&self.pool, &cursor, self.config.batch_size).await?;
         total.released += released;
         *self.held_cursor.lock().expect("not poisoned") = next;
+        // The job counters' rows, summed: what keeps `stats` and the
+        // overview a read of tens of rows (`queue::counts`).
+        queue::counts::fold(&self.pool, false).await?;
         Ok(total)
     }
 

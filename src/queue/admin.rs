@@ -222,9 +222,10 @@ pub struct KindAge {
 
 /// The queue at a glance; `almanac stats` and the metrics collector read it.
 ///
-/// Cheap on a table of millions of finished jobs: every count walks a partial
-/// index of unfinished (`ready`, `running`), `dead` or `cancelled` rows, never `done` ones;
-/// `done` is PostgreSQL's row estimate minus the rest.
+/// The same cost at any size: the counts are the counters' ([`super::counts`]);
+/// only while those are not whole are the jobs counted (through partial
+/// indexes of unfinished, `dead` or `cancelled` rows, never `done` ones; `done`
+/// is then PostgreSQL's row estimate minus the rest).
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
     /// Ready, running, held, dead and cancelled jobs per kind (kinds with none are absent).
@@ -238,36 +239,26 @@ pub struct Stats {
     pub dead: i64,
     /// Stopped by an operator (kept as long as dead jobs).
     pub cancelled: i64,
-    /// An estimate (planner statistics): exact counts of done jobs cost a full scan.
+    /// Done jobs: exact from the counters, else an estimate (planner
+    /// statistics; counting done jobs costs a full scan).
     pub done_estimate: i64,
+    /// Whether `done_estimate` is exact (the counters were whole).
+    pub done_exact: bool,
 }
 
 pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
-    let by_kind_status = sqlx::query_as::<_, KindStatusCount>(
-        r#"
-        -- The status as a constant, not the column: a partial index does
-        -- not hold its predicate's column, so reading it ruled out an
-        -- index-only scan (a bitmap scan of the heap instead: 62 ms for
-        -- 128,000 ready jobs beside 7 ms; issue #26).
-        SELECT kind, 'ready'::text AS status, count(*) AS count FROM almanac.jobs
-         WHERE status = 'ready' GROUP BY kind
-        UNION ALL
-        SELECT kind, 'running', count(*) FROM almanac.jobs
-         WHERE status = 'running' GROUP BY kind
-        UNION ALL
-        SELECT kind, 'dead', count(*) FROM almanac.jobs
-         WHERE status = 'dead' GROUP BY kind
-        UNION ALL
-        SELECT kind, 'cancelled', count(*) FROM almanac.jobs
-         WHERE status = 'cancelled' GROUP BY kind
-        UNION ALL
-        SELECT kind, 'held', count(*) FROM almanac.jobs
-         WHERE status = 'held' AND ordering_key IS NOT NULL GROUP BY kind
-        ORDER BY kind, status
-        "#,
-    )
-    .fetch_all(&mut *conn)
-    .await?;
+    // The counters (`counts`): a read of tens of rows at any size. Counted
+    // from the jobs only when they are not whole (after a crash, on a
+    // standby), which the next fold repairs.
+    let (by_kind_status, done) = match super::counts::read(&mut *conn).await? {
+        Some(counts) => {
+            let (done, open): (Vec<_>, Vec<_>) = counts
+                .into_iter()
+                .partition(|c| c.status == JobStatus::Done);
+            (open, Some(done.iter().map(|c| c.count).sum::<i64>()))
+        }
+        None => (count_unfinished(&mut *conn).await?, None),
+    };
     // One probe of `jobs_ready_kind_idx` per kind with ready jobs (the
     // counts above found them): the oldest due job is the first entry.
     let ready_kinds: Vec<&str> = by_kind_status
@@ -320,8 +311,39 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
         expired_leases: expired,
         dead,
         cancelled,
-        done_estimate: (estimate as i64 - unfinished).max(0),
+        done_estimate: done.unwrap_or((estimate as i64 - unfinished).max(0)),
+        done_exact: done.is_some(),
     })
+}
+
+/// The ready, running, held, dead and cancelled jobs per kind, counted:
+/// O(those jobs), for when the counters are not whole.
+async fn count_unfinished(conn: &mut PgConnection) -> Result<Vec<KindStatusCount>, sqlx::Error> {
+    sqlx::query_as::<_, KindStatusCount>(
+        r#"
+        -- The status as a constant, not the column: a partial index does
+        -- not hold its predicate's column, so reading it ruled out an
+        -- index-only scan (a bitmap scan of the heap instead: 62 ms for
+        -- 128,000 ready jobs beside 7 ms; issue #26).
+        SELECT kind, 'ready'::text AS status, count(*) AS count FROM almanac.jobs
+         WHERE status = 'ready' GROUP BY kind
+        UNION ALL
+        SELECT kind, 'running', count(*) FROM almanac.jobs
+         WHERE status = 'running' GROUP BY kind
+        UNION ALL
+        SELECT kind, 'dead', count(*) FROM almanac.jobs
+         WHERE status = 'dead' GROUP BY kind
+        UNION ALL
+        SELECT kind, 'cancelled', count(*) FROM almanac.jobs
+         WHERE status = 'cancelled' GROUP BY kind
+        UNION ALL
+        SELECT kind, 'held', count(*) FROM almanac.jobs
+         WHERE status = 'held' AND ordering_key IS NOT NULL GROUP BY kind
+        ORDER BY kind, status
+        "#,
+    )
+    .fetch_all(conn)
+    .await
 }
 
 /// Of `schedules`, those with a job still ready, running or held (the

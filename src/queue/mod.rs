@@ -53,6 +53,7 @@
 mod admin;
 mod backoff;
 pub mod browse;
+pub mod counts;
 mod enqueue;
 mod interrupt;
 mod lease;

@@ -73,7 +73,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
             div .card { span .label { "ready" } span .value #total-ready { (total(JobStatus::Ready)) } }
             div .card { span .label { "running" } span .value #total-running { (total(JobStatus::Running)) } }
             div .card { span .label { "dead" } span .value #total-dead { (snap.jobs.dead) } }
-            div .card { span .label { "done (estimate)" } span .value #done-estimate { (snap.jobs.done_estimate) } }
+            div .card { span .label { @if snap.jobs.done_exact { "done" } @else { "done (estimate)" } } span .value #done-estimate { (snap.jobs.done_estimate) } }
             div .card .warn[snap.jobs.expired_leases > 0] {
                 span .label { "expired leases" } span .value #expired-leases { (snap.jobs.expired_leases) }
             }

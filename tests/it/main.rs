@@ -28,6 +28,7 @@ mod cli_broker;
 mod compose;
 mod consumer_faults;
 mod consumer_kinds;
+mod counts;
 mod enqueue_sql;
 mod exec;
 mod exec_faults;

@@ -1,0 +1,246 @@
+//! The job counters (`queue::counts`, migration 0128): exact under every
+//! kind of change and concurrent folds, rebuilt when lost or broken, and a
+//! read of `stats` that does not read the jobs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use almanac::control::{ordering as control, Actor};
+use almanac::queue::counts::{self, Fold};
+use almanac::queue::ordering::OnDead;
+use almanac::queue::{self, JobStatus, NewJob};
+use almanac::role::{Role, Settings};
+use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::harness::{count, eventually};
+
+type Counts = BTreeMap<(String, String), i64>;
+
+/// The jobs counted, per kind and status.
+async fn counted(pool: &PgPool) -> Counts {
+    let rows: Vec<(String, String, i64)> =
+        sqlx::query_as("SELECT kind, status, count(*) FROM almanac.jobs GROUP BY 1, 2")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    rows.into_iter().map(|(k, s, n)| ((k, s), n)).collect()
+}
+
+/// The counters' view, or `None` when they are not whole.
+async fn counters(pool: &PgPool) -> Option<Counts> {
+    let mut conn = pool.acquire().await.unwrap();
+    counts::read(&mut conn).await.unwrap().map(|c| {
+        c.into_iter()
+            .map(|c| ((c.kind, c.status.as_str().to_string()), c.count))
+            .collect()
+    })
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurrent_folds(
+    pool: PgPool,
+) {
+    control::set(
+        &mut pool.acquire().await.unwrap(),
+        &Actor::os_user(),
+        "ordered",
+        None,
+        OnDead::Skip,
+    )
+    .await
+    .unwrap();
+    // One job in three fails its first attempt (retried at once), one in
+    // seven for good (dead); `ordered` jobs are held behind their key's head.
+    let failing = |ctx: JobContext| async move {
+        if ctx.job.id % 7 == 0 {
+            Err(HandlerError::permanent("one in seven dies"))
+        } else if ctx.job.id % 3 == 0 && ctx.job.attempts == 1 {
+            Err(HandlerError::retry_after(
+                "one in three fails once",
+                Duration::ZERO,
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let config = WorkerConfig {
+        concurrency: 8,
+        batch_size: 8,
+        poll_interval: Duration::from_millis(20),
+        ..WorkerConfig::default()
+    };
+    let stop = CancellationToken::new();
+    let worker = Worker::new(pool.clone(), config.validated().unwrap())
+        .register("plain", failing)
+        .register("ordered", failing);
+    let worker = tokio::spawn(worker.run(stop.clone()));
+    // Folds as fast as they go, beside the writers.
+    let folding = {
+        let pool = pool.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut folds = 0;
+            while !stop.is_cancelled() {
+                if counts::fold(&pool, false).await.unwrap() == Fold::Folded {
+                    folds += 1;
+                }
+            }
+            folds
+        })
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    for round in 0..20 {
+        let jobs: Vec<NewJob> = (0..20)
+            .map(|i| {
+                let kind = if i % 2 == 0 { "plain" } else { "ordered" };
+                let job = NewJob::new(kind).max_attempts(2);
+                if kind == "ordered" {
+                    job.ordering_key(format!("key-{}", i % 3))
+                } else {
+                    job
+                }
+            })
+            .collect();
+        let enqueued = queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+        // A kind no worker runs, one job per transaction, some cancelled.
+        let idle = queue::enqueue(&mut conn, &NewJob::new("idle"))
+            .await
+            .unwrap();
+        if round % 2 == 0 {
+            queue::cancel_in(&mut conn, idle.id(), "test", None)
+                .await
+                .unwrap();
+        }
+        // The janitor's delete of every done job (ordered ones release
+        // their successors in the same statement).
+        if round % 5 == 4 {
+            queue::delete_finished(&pool, JobStatus::Done, Duration::ZERO, None, 1_000)
+                .await
+                .unwrap();
+        }
+        assert!(!enqueued.is_empty());
+    }
+    eventually("every runnable job to end", Duration::from_secs(60), || async {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE kind <> 'idle' AND status NOT IN ('done', 'dead')",
+        )
+        .await
+            == 0
+    })
+    .await;
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    assert!(folding.await.unwrap() > 0, "no fold ran beside the writers");
+    let want = counted(&pool).await;
+    assert!(want.contains_key(&("plain".into(), "dead".into())));
+    assert!(want.contains_key(&("idle".into(), "cancelled".into())));
+    assert_eq!(counters(&pool).await, Some(want.clone()));
+    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
+    assert_eq!(counters(&pool).await, Some(want));
+    let rows = count(&pool, "SELECT count(*) FROM almanac.job_counts").await;
+    // plain and ordered done and dead, idle ready and cancelled, the marker.
+    assert_eq!(
+        rows, 7,
+        "a fold leaves one row per kind and status and the marker"
+    );
+
+    // TRUNCATE empties the counts and leaves them whole.
+    sqlx::query("TRUNCATE almanac.jobs CASCADE")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(counters(&pool).await, Some(Counts::new()));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    for kind in ["a", "a", "b"] {
+        queue::enqueue(&mut conn, &NewJob::new(kind)).await.unwrap();
+    }
+    // A new database's counters are not whole until the first fold counts.
+    assert_eq!(counters(&pool).await, None);
+    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(counters(&pool).await, Some(counted(&pool).await));
+    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
+    // What a crash does to an unlogged table: it is emptied.
+    sqlx::query("TRUNCATE almanac.job_counts")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(counters(&pool).await, None);
+    let stats = queue::stats(&mut conn).await.unwrap();
+    let ready: i64 = stats
+        .by_kind_status
+        .iter()
+        .filter(|c| c.status == JobStatus::Ready)
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(
+        ready, 3,
+        "stats counts the jobs while the counters are lost"
+    );
+    assert!(!stats.done_exact);
+    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(counters(&pool).await, Some(counted(&pool).await));
+
+    // Jobs inserted with the triggers off, then deleted: a count goes negative,
+    // readers count around it, and the next fold rebuilds.
+    sqlx::raw_sql(
+        "SET session_replication_role = replica;
+         INSERT INTO almanac.jobs (kind) SELECT 'b' FROM generate_series(1, 2);
+         SET session_replication_role = origin;
+         DELETE FROM almanac.jobs WHERE kind = 'b';",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(counters(&pool).await, None, "b's count is negative");
+    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(counters(&pool).await, Some(counted(&pool).await));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn stats_reads_no_job_row_on_a_table_of_200k_jobs(pool: PgPool) {
+    sqlx::raw_sql(
+        "INSERT INTO almanac.jobs (kind, run_at)
+             SELECT 'k' || (g % 4), now() + interval '1 day' FROM generate_series(1, 150000) g;
+         INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+             SELECT 'k' || (g % 4), 'dead', 1, now(), 'boom' FROM generate_series(1, 50000) g;
+         ANALYZE almanac.jobs;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    counts::fold(&pool, false).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let stats = queue::stats(&mut tx).await.unwrap();
+    // This transaction's own reads: rows of the jobs table read by
+    // sequential scans, entries of its indexes read by index scans.
+    let (tuples, index_tuples): (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_returned('almanac.jobs'::regclass),
+                (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid))::bigint
+                   FROM pg_index WHERE indrelid = 'almanac.jobs'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(stats.dead, 50_000);
+    let ready: i64 = stats
+        .by_kind_status
+        .iter()
+        .filter(|c| c.status == JobStatus::Ready)
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(ready, 150_000);
+    assert!(stats.done_exact);
+    assert_eq!(tuples, 0, "no sequential read of the jobs");
+    assert!(
+        index_tuples < 20,
+        "stats read {index_tuples} index entries of the jobs; counting them reads 200,000"
+    );
+}
