@@ -193,6 +193,84 @@ $$;
 
 
 --
+-- Name: counts_fold(boolean); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.counts_fold(recount boolean DEFAULT false) RETURNS text
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'almanac.counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
+    END IF;
+    IF NOT almanac.counts_lock(false) THEN
+        RETURN 'busy';
+    END IF;
+    IF NOT recount THEN
+        SELECT NOT EXISTS (SELECT 1 FROM almanac.counts c WHERE c.scope = '*')
+               OR EXISTS (SELECT 1 FROM almanac.counts c GROUP BY c.scope, c.kind, c.status
+                          HAVING sum(c.n) < 0)
+          INTO recount;
+    END IF;
+    IF recount THEN
+        WITH gone AS (DELETE FROM almanac.counts)
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', j.kind, j.status, count(*) FROM almanac.jobs j GROUP BY 2, 3
+        UNION ALL
+        SELECT 'outbox:' || o.sink, coalesce(o.headers->>'almanac-kind', ''),
+               CASE WHEN o.failed_at IS NOT NULL THEN 'failed'
+                    WHEN o.published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, count(*)
+          FROM almanac.outbox o GROUP BY 1, 2, 3
+        UNION ALL
+        SELECT '*', '', '', 0;
+        RETURN 'recounted';
+    END IF;
+    WITH gone AS (DELETE FROM almanac.counts RETURNING scope, kind, status, n)
+    INSERT INTO almanac.counts (scope, kind, status, n)
+    SELECT g.scope, g.kind, g.status, sum(g.n) FROM gone g GROUP BY 1, 2, 3
+    HAVING sum(g.n) <> 0 OR g.scope = '*';
+    RETURN 'folded';
+END $$;
+
+
+--
+-- Name: counts_lock(boolean); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.counts_lock(wait boolean) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
+        RETURN true;
+    END IF;
+    RETURN pg_try_advisory_xact_lock(1634495841, 1668248942);
+END $$;
+
+
+--
+-- Name: counts_read(text[]); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.counts_read(scopes text[]) RETURNS TABLE(scope text, kind text, status text, count bigint)
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT c.scope, c.kind, c.status, sum(c.n)::bigint
+      FROM almanac.counts c
+     WHERE c.scope = ANY(scopes) OR c.scope = '*'
+     GROUP BY 1, 2, 3
+    HAVING sum(c.n) <> 0 OR c.scope = '*';
+END $$;
+
+
+--
 -- Name: enqueue(text, jsonb, timestamp with time zone, integer, text, integer, text, text); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -488,60 +566,6 @@ $$;
 
 
 --
--- Name: job_counts_fold(boolean); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.job_counts_fold(recount boolean DEFAULT false) RETURNS text
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'almanac.job_counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
-    END IF;
-    IF NOT pg_try_advisory_xact_lock(1634495841, 1668248942) THEN
-        RETURN 'busy';
-    END IF;
-    IF NOT recount THEN
-        SELECT NOT EXISTS (SELECT 1 FROM almanac.job_counts WHERE status = '*')
-               OR EXISTS (SELECT 1 FROM almanac.job_counts_read() r WHERE r.count < 0)
-          INTO recount;
-    END IF;
-    IF recount THEN
-        WITH gone AS (DELETE FROM almanac.job_counts)
-        INSERT INTO almanac.job_counts (kind, status, n)
-        SELECT j.kind, j.status, count(*) FROM almanac.jobs j GROUP BY 1, 2
-        UNION ALL
-        SELECT '', '*', 0;
-        RETURN 'recounted';
-    END IF;
-    WITH gone AS (DELETE FROM almanac.job_counts RETURNING kind, status, n)
-    INSERT INTO almanac.job_counts (kind, status, n)
-    SELECT g.kind, g.status, sum(g.n) FROM gone g GROUP BY 1, 2
-    HAVING sum(g.n) <> 0 OR g.status = '*';
-    RETURN 'folded';
-END $$;
-
-
---
--- Name: job_counts_read(); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.job_counts_read() RETURNS TABLE(kind text, status text, count bigint)
-    LANGUAGE plpgsql STABLE
-    AS $$
-BEGIN
-    IF pg_is_in_recovery() THEN
-        RETURN;
-    END IF;
-    RETURN QUERY
-    SELECT c.kind, c.status, sum(c.n)::bigint
-      FROM almanac.job_counts c
-     GROUP BY 1, 2
-    HAVING sum(c.n) <> 0 OR c.status = '*';
-END $$;
-
-
---
 -- Name: jobs_count(); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -550,24 +574,24 @@ CREATE FUNCTION almanac.jobs_count() RETURNS trigger
     AS $$
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        INSERT INTO almanac.job_counts (kind, status, n)
-        SELECT kind, status, count(*) FROM counted_new GROUP BY 1, 2;
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, count(*) FROM counted_new GROUP BY 2, 3;
     ELSIF TG_OP = 'UPDATE' THEN
-        INSERT INTO almanac.job_counts (kind, status, n)
-        SELECT kind, status, sum(n)
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, sum(n)
           FROM (SELECT kind, status, -count(*) AS n FROM counted_old GROUP BY 1, 2
                 UNION ALL
                 SELECT kind, status, count(*) FROM counted_new GROUP BY 1, 2) AS moved
-         GROUP BY 1, 2
+         GROUP BY 2, 3
         HAVING sum(n) <> 0;
     ELSIF TG_OP = 'DELETE' THEN
-        INSERT INTO almanac.job_counts (kind, status, n)
-        SELECT kind, status, -count(*) FROM counted_old GROUP BY 1, 2;
-    ELSE -- TRUNCATE: no job is left; the counts stay whole. After any
-         -- fold in progress (the folders' lock), so none writes back rows
-         -- of jobs that are gone.
-        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
-        DELETE FROM almanac.job_counts WHERE status <> '*';
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, -count(*) FROM counted_old GROUP BY 2, 3;
+    ELSE -- TRUNCATE: no job is left (nor an outbox row: they reference
+         -- jobs). After any fold in progress, so none writes back rows of
+         -- jobs that are gone.
+        PERFORM almanac.counts_lock(true);
+        DELETE FROM almanac.counts WHERE scope = 'jobs';
     END IF;
     RETURN NULL;
 END $$;
@@ -749,6 +773,52 @@ CREATE FUNCTION almanac.ordering_lock_id(p_kind text, p_key text) RETURNS bigint
     AS $$
     SELECT hashtextextended('almanac.order:' || p_kind || ':' || p_key, 0)
 $$;
+
+
+--
+-- Name: outbox_count(); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.outbox_count() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+               CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                    WHEN published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, count(*)
+          FROM counted_new GROUP BY 1, 2, 3;
+    ELSIF TG_OP = 'UPDATE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT scope, kind, status, sum(n)
+          FROM (SELECT 'outbox:' || sink AS scope, coalesce(headers->>'almanac-kind', '') AS kind,
+                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                            WHEN published_at IS NOT NULL THEN 'published'
+                            ELSE 'pending' END AS status, -1 AS n
+                  FROM counted_old
+                UNION ALL
+                SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                            WHEN published_at IS NOT NULL THEN 'published'
+                            ELSE 'pending' END, 1
+                  FROM counted_new) AS moved
+         GROUP BY 1, 2, 3
+        HAVING sum(n) <> 0;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+               CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                    WHEN published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, -count(*)
+          FROM counted_old GROUP BY 1, 2, 3;
+    ELSE
+        PERFORM almanac.counts_lock(true);
+        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%';
+    END IF;
+    RETURN NULL;
+END $$;
 
 
 --
@@ -1108,10 +1178,11 @@ CREATE TABLE almanac.consumer_marks (
 
 
 --
--- Name: job_counts; Type: TABLE; Schema: almanac; Owner: -
+-- Name: counts; Type: TABLE; Schema: almanac; Owner: -
 --
 
-CREATE UNLOGGED TABLE almanac.job_counts (
+CREATE UNLOGGED TABLE almanac.counts (
+    scope text NOT NULL,
     kind text NOT NULL,
     status text NOT NULL,
     n bigint NOT NULL
@@ -1726,6 +1797,34 @@ CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW EXECUT
 --
 
 CREATE TRIGGER jobs_to_outbox AFTER INSERT OR UPDATE OF status, route ON almanac.jobs FOR EACH ROW WHEN (((new.status = 'ready'::text) AND (new.route = ANY (ARRAY['dual'::text, 'broker'::text])))) EXECUTE FUNCTION almanac.jobs_to_outbox();
+
+
+--
+-- Name: outbox outbox_count_delete; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER outbox_count_delete AFTER DELETE ON almanac.outbox REFERENCING OLD TABLE AS counted_old FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+
+--
+-- Name: outbox outbox_count_insert; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER outbox_count_insert AFTER INSERT ON almanac.outbox REFERENCING NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+
+--
+-- Name: outbox outbox_count_truncate; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER outbox_count_truncate AFTER TRUNCATE ON almanac.outbox FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+
+--
+-- Name: outbox outbox_count_update; Type: TRIGGER; Schema: almanac; Owner: -
+--
+
+CREATE TRIGGER outbox_count_update AFTER UPDATE ON almanac.outbox REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
 
 
 --

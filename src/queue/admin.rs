@@ -250,7 +250,7 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Stats, QueueError> {
     // The counters (`counts`): a read of tens of rows at any size. Counted
     // from the jobs only when they are not whole (after a crash, on a
     // standby), which the next fold repairs.
-    let (by_kind_status, done) = match super::counts::read(&mut *conn).await? {
+    let (by_kind_status, done) = match super::counts::jobs(&mut *conn).await? {
         Some(counts) => {
             let (done, open): (Vec<_>, Vec<_>) = counts
                 .into_iter()

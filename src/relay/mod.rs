@@ -832,5 +832,5 @@ pub async fn redrive(pool: &PgPool, sink: SinkKind, after: Duration) -> Result<u
 /// Backlog, in-flight, oldest unpublished and failed rows per sink, for
 /// `almanac stats` and the metrics.
 pub async fn outbox_stats(pool: &PgPool) -> Result<Vec<SinkOutboxStats>, RelayError> {
-    Ok(outbox::stats(pool).await?)
+    Ok(outbox::stats(&mut *pool.acquire().await?).await?)
 }

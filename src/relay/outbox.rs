@@ -637,38 +637,64 @@ pub struct SinkOutboxStats {
     pub backlog: i64,
     /// Of those, rows a relay holds in flight right now.
     pub in_flight: i64,
-    /// Age of the oldest row waiting to be published, in seconds (0 when none).
+    /// How long the oldest due row waiting to be published has been due, in
+    /// seconds (0 when none is due).
     pub oldest_unpublished_seconds: f64,
     /// Rows the broker rejected for good; their jobs went dead.
     pub failed: i64,
 }
 
-/// Backlog, in-flight, oldest unpublished and failed figures per sink (both sinks
-/// always listed). Uses the partial indexes on pending and failed rows.
-pub async fn stats<'e>(db: impl PgExecutor<'e>) -> Result<Vec<SinkOutboxStats>, sqlx::Error> {
-    sqlx::query_as(
+/// Backlog, in-flight, oldest unpublished and failed figures per sink (both
+/// sinks always listed). The backlog and failed rows are the counters'
+/// ([`crate::queue::counts`]; counted through the partial indexes while
+/// those are not whole); rows in flight are the relays' batches', and the
+/// oldest due row is the first entry of `outbox_due_idx`: the same cost
+/// whatever the backlog.
+pub async fn stats(conn: &mut PgConnection) -> Result<Vec<SinkOutboxStats>, sqlx::Error> {
+    let sinks = SinkKind::ALL.map(SinkKind::as_str).to_vec();
+    let scopes: Vec<String> = sinks.iter().map(|s| format!("outbox:{s}")).collect();
+    let scopes: Vec<&str> = scopes.iter().map(String::as_str).collect();
+    let counted = crate::queue::counts::read(&mut *conn, &scopes).await?;
+    let mut rows: Vec<SinkOutboxStats> = sqlx::query_as(
         r#"
         SELECT s.sink,
-            (SELECT count(*) FROM almanac.outbox o
-              WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL) AS backlog,
+            CASE WHEN $2 THEN 0 ELSE (SELECT count(*) FROM almanac.outbox o
+              WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL) END AS backlog,
             (SELECT count(*) FROM almanac.outbox o
               WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL
                 AND o.id IN (SELECT unnest(b.ids) FROM almanac.outbox_batches b
                              WHERE b.sink = s.sink AND b.published_at IS NULL
                                AND b.lease_until > now())) AS in_flight,
-            coalesce((SELECT extract(epoch FROM now() - min(o.created_at))::float8
+            coalesce((SELECT greatest(extract(epoch FROM now() - o.available_at), 0)::float8
               FROM almanac.outbox o
-              WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL), 0)
+              WHERE o.sink = s.sink AND o.published_at IS NULL AND o.failed_at IS NULL
+              ORDER BY o.available_at, o.id LIMIT 1), 0)
               AS oldest_unpublished_seconds,
-            (SELECT count(*) FROM almanac.outbox o
-              WHERE o.sink = s.sink AND o.failed_at IS NOT NULL) AS failed
+            CASE WHEN $2 THEN 0 ELSE (SELECT count(*) FROM almanac.outbox o
+              WHERE o.sink = s.sink AND o.failed_at IS NOT NULL) END AS failed
         FROM unnest($1::text[]) AS s(sink)
         ORDER BY s.sink
         "#,
     )
-    .bind(SinkKind::ALL.map(SinkKind::as_str).to_vec())
-    .fetch_all(db)
-    .await
+    .bind(&sinks)
+    .bind(counted.is_some())
+    .fetch_all(&mut *conn)
+    .await?;
+    if let Some(counted) = counted {
+        for row in &mut rows {
+            let scope = format!("outbox:{}", row.sink);
+            let of = |status: &str| -> i64 {
+                counted
+                    .iter()
+                    .filter(|c| c.scope == scope && c.status == status)
+                    .map(|c| c.count)
+                    .sum()
+            };
+            row.backlog = of("pending");
+            row.failed = of("failed");
+        }
+    }
+    Ok(rows)
 }
 
 /// The janitor's deletion of publication records: `$1` seconds old, `$2` at

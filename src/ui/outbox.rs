@@ -56,21 +56,33 @@ pub async fn failed(conn: &mut PgConnection, limit: i64) -> Result<Vec<Row>, sql
     sqlx::query_as(FAILED_SQL).bind(limit).fetch_all(conn).await
 }
 
-/// Unpublished rows per kind: how many, and the oldest one's age.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct KindBacklog {
-    pub kind: String,
-    pub backlog: i64,
-    pub oldest_seconds: f64,
-}
-
-pub const BACKLOG_SQL: &str =
-    "SELECT coalesce(headers->>'almanac-kind', '') AS kind, count(*) AS backlog, \
-    extract(epoch FROM now() - min(created_at))::float8 AS oldest_seconds \
-    FROM almanac.outbox WHERE published_at IS NULL AND failed_at IS NULL GROUP BY 1";
-
-pub async fn backlog_by_kind(conn: &mut PgConnection) -> Result<Vec<KindBacklog>, sqlx::Error> {
-    sqlx::query_as(BACKLOG_SQL).fetch_all(conn).await
+/// Unpublished rows per kind, over both sinks: the counters' (the same
+/// cost whatever the backlog), or counted while those are not whole.
+pub async fn backlog_by_kind(
+    conn: &mut PgConnection,
+) -> Result<std::collections::BTreeMap<String, i64>, sqlx::Error> {
+    let scopes = crate::relay::SinkKind::ALL.map(|s| format!("outbox:{}", s.as_str()));
+    let scopes: Vec<&str> = scopes.iter().map(String::as_str).collect();
+    let rows: Vec<(String, i64)> = match crate::queue::counts::read(&mut *conn, &scopes).await? {
+        Some(counted) => counted
+            .into_iter()
+            .filter(|c| c.status == "pending")
+            .map(|c| (c.kind, c.count))
+            .collect(),
+        None => {
+            sqlx::query_as(
+                "SELECT coalesce(headers->>'almanac-kind', ''), count(*) FROM almanac.outbox \
+                 WHERE published_at IS NULL AND failed_at IS NULL GROUP BY 1",
+            )
+            .fetch_all(conn)
+            .await?
+        }
+    };
+    let mut by_kind = std::collections::BTreeMap::new();
+    for (kind, n) in rows {
+        *by_kind.entry(kind).or_insert(0) += n;
+    }
+    Ok(by_kind)
 }
 
 pub fn table(rows: &[Row]) -> Markup {

@@ -1,5 +1,6 @@
-//! `/routes`: each kind's mode, sink and destination, its outbox backlog
-//! and oldest unpublished age, the outbox per sink, and failed rows.
+//! `/routes`: each kind's mode, sink and destination and its outbox
+//! backlog; the outbox per sink (with how long its oldest due row has
+//! waited), and failed rows.
 
 use std::collections::BTreeMap;
 
@@ -7,7 +8,7 @@ use axum::extract::State;
 use axum::response::Html;
 use maud::html;
 
-use super::view::{age, dash, enc, layout, sink_rows};
+use super::view::{dash, enc, layout, sink_rows};
 use super::{outbox, Page, Ui, UiError};
 use crate::relay::outbox as relay_outbox;
 use crate::relay::routes;
@@ -20,11 +21,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
     let routes = routes::list(&mut tx)
         .await
         .map_err(|e| UiError::Db(e.to_string()))?;
-    let backlog: BTreeMap<String, outbox::KindBacklog> = outbox::backlog_by_kind(&mut tx)
-        .await?
-        .into_iter()
-        .map(|b| (b.kind.clone(), b))
-        .collect();
+    let backlog: BTreeMap<String, i64> = outbox::backlog_by_kind(&mut tx).await?;
     let sinks = relay_outbox::stats(&mut *tx).await?;
     let unserved = snapshot::unserved_routes(&mut tx).await?;
     let failed = outbox::failed(&mut tx, FAILED_ROWS).await?;
@@ -43,7 +40,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 code { "almanac route set KIND --mode dual --sink kafka --destination TOPIC" } "." }
         } @else {
             div .scroll { table #routes {
-                thead { tr { th { "kind" } th { "mode" } th { "sink" } th { "destination" } th .num { "backlog" } th .num { "oldest unpublished" } } }
+                thead { tr { th { "kind" } th { "mode" } th { "sink" } th { "destination" } th .num { "backlog" } } }
                 tbody {
                     @for r in &routes {
                         @let b = backlog.get(&r.kind);
@@ -52,8 +49,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                             td { span .badge .(r.mode) { (r.mode) } }
                             td { @match &r.sink { Some(s) => (s), None => (dash()) } }
                             td { @match &r.destination { Some(d) => code { (d) }, None => (dash()) } }
-                            td .num data-field="backlog" { (b.map_or(0, |b| b.backlog)) }
-                            td .num { @match b { Some(b) => (age(b.oldest_seconds)), None => (dash()) } }
+                            td .num data-field="backlog" { (b.copied().unwrap_or(0)) }
                         }
                     }
                 }

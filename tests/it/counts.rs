@@ -9,6 +9,8 @@ use almanac::control::{ordering as control, Actor};
 use almanac::queue::counts::{self, Fold};
 use almanac::queue::ordering::OnDead;
 use almanac::queue::{self, JobStatus, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::SinkKind;
 use almanac::role::{Role, Settings};
 use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use sqlx::PgPool;
@@ -28,14 +30,41 @@ async fn counted(pool: &PgPool) -> Counts {
     rows.into_iter().map(|(k, s, n)| ((k, s), n)).collect()
 }
 
-/// The counters' view, or `None` when they are not whole.
+/// The counters' view of the jobs, or `None` when they are not whole.
 async fn counters(pool: &PgPool) -> Option<Counts> {
     let mut conn = pool.acquire().await.unwrap();
-    counts::read(&mut conn).await.unwrap().map(|c| {
+    counts::jobs(&mut conn).await.unwrap().map(|c| {
         c.into_iter()
             .map(|c| ((c.kind, c.status.as_str().to_string()), c.count))
             .collect()
     })
+}
+
+/// The outbox rows counted, per (sink, kind, state).
+async fn outbox_counted(pool: &PgPool) -> Vec<(String, String, String, i64)> {
+    sqlx::query_as(
+        "SELECT 'outbox:' || sink, headers->>'almanac-kind',
+                CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                     WHEN published_at IS NOT NULL THEN 'published' ELSE 'pending' END,
+                count(*)
+           FROM almanac.outbox GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The counters' view of the outbox rows.
+async fn outbox_counters(pool: &PgPool) -> Option<Vec<(String, String, String, i64)>> {
+    let mut conn = pool.acquire().await.unwrap();
+    counts::read(&mut conn, &["outbox:kafka", "outbox:rabbitmq"])
+        .await
+        .unwrap()
+        .map(|c| {
+            c.into_iter()
+                .map(|c| (c.scope, c.kind, c.status, c.count))
+                .collect()
+        })
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -48,6 +77,16 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
         "ordered",
         None,
         OnDead::Skip,
+    )
+    .await
+    .unwrap();
+    // A kind routed to RabbitMQ, no relay running: its jobs wait in the outbox.
+    routes::set(
+        &mut pool.acquire().await.unwrap(),
+        "routed",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some("routed"),
     )
     .await
     .unwrap();
@@ -108,6 +147,9 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
         let idle = queue::enqueue(&mut conn, &NewJob::new("idle"))
             .await
             .unwrap();
+        queue::enqueue(&mut conn, &NewJob::new("routed"))
+            .await
+            .unwrap();
         if round % 2 == 0 {
             queue::cancel_in(&mut conn, idle.id(), "test", None)
                 .await
@@ -122,29 +164,67 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
         }
         assert!(!enqueued.is_empty());
     }
-    eventually("every runnable job to end", Duration::from_secs(60), || async {
-        count(
-            &pool,
-            "SELECT count(*) FROM almanac.jobs WHERE kind <> 'idle' AND status NOT IN ('done', 'dead')",
-        )
-        .await
-            == 0
-    })
+    eventually(
+        "every runnable job to end",
+        Duration::from_secs(60),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.jobs
+              WHERE kind IN ('plain', 'ordered') AND status NOT IN ('done', 'dead')",
+            )
+            .await
+                == 0
+        },
+    )
     .await;
+    // What a relay does to outbox rows: publishes (deletes) some, fails
+    // some for good (the row kept, its job dead).
+    sqlx::raw_sql(
+        "DELETE FROM almanac.outbox WHERE id IN (SELECT id FROM almanac.outbox ORDER BY id LIMIT 5);
+         UPDATE almanac.outbox SET failed_at = now(), last_error = 'rejected'
+          WHERE id IN (SELECT id FROM almanac.outbox ORDER BY id LIMIT 3);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     stop.cancel();
     worker.await.unwrap().unwrap();
     assert!(folding.await.unwrap() > 0, "no fold ran beside the writers");
+    let outbox = outbox_counted(&pool).await;
+    assert_eq!(
+        outbox,
+        vec![
+            (
+                "outbox:rabbitmq".into(),
+                "routed".into(),
+                "failed".into(),
+                3
+            ),
+            (
+                "outbox:rabbitmq".into(),
+                "routed".into(),
+                "pending".into(),
+                12
+            ),
+        ]
+    );
+    assert_eq!(outbox_counters(&pool).await, Some(outbox));
+    let sinks = almanac::relay::outbox_stats(&pool).await.unwrap();
+    let rabbitmq = sinks.iter().find(|s| s.sink == "rabbitmq").unwrap();
+    assert_eq!((rabbitmq.backlog, rabbitmq.failed), (12, 3));
     let want = counted(&pool).await;
     assert!(want.contains_key(&("plain".into(), "dead".into())));
     assert!(want.contains_key(&("idle".into(), "cancelled".into())));
     assert_eq!(counters(&pool).await, Some(want.clone()));
     assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
     assert_eq!(counters(&pool).await, Some(want));
-    let rows = count(&pool, "SELECT count(*) FROM almanac.job_counts").await;
-    // plain and ordered done and dead, idle ready and cancelled, the marker.
+    let rows = count(&pool, "SELECT count(*) FROM almanac.counts").await;
+    // plain and ordered done and dead, idle ready and cancelled, routed
+    // ready, its outbox rows pending and failed, the marker.
     assert_eq!(
-        rows, 7,
-        "a fold leaves one row per kind and status and the marker"
+        rows, 10,
+        "a fold leaves one row per scope, kind and status and the marker"
     );
 
     // TRUNCATE empties the counts and leaves them whole.
@@ -167,7 +247,7 @@ async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
     assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
     // What a crash does to an unlogged table: it is emptied.
-    sqlx::query("TRUNCATE almanac.job_counts")
+    sqlx::query("TRUNCATE almanac.counts")
         .execute(&pool)
         .await
         .unwrap();
@@ -204,31 +284,44 @@ async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn stats_reads_no_job_row_on_a_table_of_200k_jobs(pool: PgPool) {
+async fn stats_reads_no_job_or_outbox_row_on_200k_jobs_and_150k_pending_outbox_rows(pool: PgPool) {
     sqlx::raw_sql(
         "INSERT INTO almanac.jobs (kind, run_at)
              SELECT 'k' || (g % 4), now() + interval '1 day' FROM generate_series(1, 150000) g;
          INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
              SELECT 'k' || (g % 4), 'dead', 1, now(), 'boom' FROM generate_series(1, 50000) g;
-         ANALYZE almanac.jobs;",
+         INSERT INTO almanac.outbox (job_id, sink, destination, msg_key, payload, headers, available_at)
+             SELECT id, 'rabbitmq', 'q', 'k', '{}', jsonb_build_object('almanac-kind', kind), run_at
+               FROM almanac.jobs WHERE status = 'ready';
+         ANALYZE almanac.jobs;
+         ANALYZE almanac.outbox;",
     )
     .execute(&pool)
     .await
     .unwrap();
     counts::fold(&pool, false).await.unwrap();
     let mut tx = pool.begin().await.unwrap();
-    let stats = queue::stats(&mut tx).await.unwrap();
-    // This transaction's own reads: rows of the jobs table read by
-    // sequential scans, entries of its indexes read by index scans.
+    let snapshot = almanac::stats::Snapshot::read(&mut tx).await.unwrap();
+    let stats = snapshot.jobs.clone();
+    // This transaction's own reads: rows of the jobs and outbox tables read
+    // by sequential scans, entries of their indexes read by index scans.
     let (tuples, index_tuples): (i64, i64) = sqlx::query_as(
-        "SELECT pg_stat_get_xact_tuples_returned('almanac.jobs'::regclass),
-                (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid))::bigint
-                   FROM pg_index WHERE indrelid = 'almanac.jobs'::regclass)",
+        "WITH t AS (SELECT unnest($1::text[])::regclass AS r)
+         SELECT (SELECT sum(pg_stat_get_xact_tuples_returned(r)) FROM t)::bigint,
+                (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index
+                  WHERE indrelid IN (SELECT r FROM t))::bigint",
     )
+    .bind(vec!["almanac.jobs", "almanac.outbox"])
     .fetch_one(&mut *tx)
     .await
     .unwrap();
     tx.rollback().await.unwrap();
+    let rabbitmq = snapshot
+        .outbox
+        .iter()
+        .find(|s| s.sink == "rabbitmq")
+        .unwrap();
+    assert_eq!(rabbitmq.backlog, 150_000);
     assert_eq!(stats.dead, 50_000);
     let ready: i64 = stats
         .by_kind_status
@@ -238,9 +331,9 @@ async fn stats_reads_no_job_row_on_a_table_of_200k_jobs(pool: PgPool) {
         .sum();
     assert_eq!(ready, 150_000);
     assert!(stats.done_exact);
-    assert_eq!(tuples, 0, "no sequential read of the jobs");
+    assert_eq!(tuples, 0, "no sequential read of the jobs or the outbox");
     assert!(
         index_tuples < 20,
-        "stats read {index_tuples} index entries of the jobs; counting them reads 200,000"
+        "stats read {index_tuples} index entries of the jobs and the outbox; counting them reads 350,000"
     );
 }

@@ -268,6 +268,9 @@ async fn measure(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<Figur
     .bind(KIND)
     .fetch_one(pool)
     .await?;
+    // The job counters folded, as a running reaper folds them every sweep
+    // (the fill's rows, and a first count after the migration).
+    crate::queue::counts::fold(pool, false).await?;
     pages::measure(pool, probe, &mut f).await?;
     f.time("stats snapshot", || async {
         crate::stats::Snapshot::read(&mut *pool.acquire().await?).await?;

@@ -1,0 +1,199 @@
+-- Counts that cost the same at ten million jobs as at none (issue #26):
+-- `stats`, the metrics collector and the dashboard counted the ready,
+-- running, held, dead and cancelled jobs per kind, and the outbox's
+-- pending rows per sink and kind, on every read: O(those rows), 417-447
+-- ms at 10,000,000 jobs (1,400,000 of them ready in the future, 500,000
+-- dead, 175,000 outbox rows pending) against 12-14 ms at none.
+--
+-- Instead every statement that inserts, updates or deletes jobs or outbox
+-- rows adds one row per (scope, kind, status) whose count it changed to
+-- `almanac.counts`, in its own transaction (a statement trigger over its
+-- transition tables), and readers sum the rows. The scope is 'jobs', or
+-- 'outbox:' and the sink for outbox rows, whose status is 'pending',
+-- 'failed' or 'published'. Maintenance folds the rows into one per
+-- (scope, kind, status) every few seconds (src/queue/counts.rs states the
+-- guarantee and its limits).
+--
+-- The table is UNLOGGED: the counts write no WAL (a job's WAL is held to
+-- 1,000 bytes, issue #26 item 3), and a crash empties the table. The row
+-- with scope '*' says the counts are whole: without it (after a crash, a
+-- failover, or `almanac stats --recount`) readers count the rows
+-- themselves, and the next fold counts them once and writes it again.
+--
+-- No count is taken here (it would hold every writer of almanac.jobs
+-- for O(jobs)): the table starts without its '*' row, and the first fold
+-- (the reaper's next sweep, or `almanac stats`) counts once without
+-- blocking anyone. Every change that commits after this migration fires
+-- the triggers, so that count and the rows after it miss nothing.
+SET LOCAL lock_timeout = '10s';
+
+CREATE UNLOGGED TABLE almanac.counts (
+    scope  text   NOT NULL,
+    kind   text   NOT NULL,
+    status text   NOT NULL,
+    n      bigint NOT NULL
+);
+
+-- The folders' lock (and TRUNCATE's): two int4 halves, 'alma' 'coun'.
+CREATE FUNCTION almanac.counts_lock(wait boolean) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
+        RETURN true;
+    END IF;
+    RETURN pg_try_advisory_xact_lock(1634495841, 1668248942);
+END $$;
+
+CREATE FUNCTION almanac.jobs_count() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, count(*) FROM counted_new GROUP BY 2, 3;
+    ELSIF TG_OP = 'UPDATE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, sum(n)
+          FROM (SELECT kind, status, -count(*) AS n FROM counted_old GROUP BY 1, 2
+                UNION ALL
+                SELECT kind, status, count(*) FROM counted_new GROUP BY 1, 2) AS moved
+         GROUP BY 2, 3
+        HAVING sum(n) <> 0;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', kind, status, -count(*) FROM counted_old GROUP BY 2, 3;
+    ELSE -- TRUNCATE: no job is left (nor an outbox row: they reference
+         -- jobs). After any fold in progress, so none writes back rows of
+         -- jobs that are gone.
+        PERFORM almanac.counts_lock(true);
+        DELETE FROM almanac.counts WHERE scope = 'jobs';
+    END IF;
+    RETURN NULL;
+END $$;
+
+CREATE FUNCTION almanac.outbox_count() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+               CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                    WHEN published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, count(*)
+          FROM counted_new GROUP BY 1, 2, 3;
+    ELSIF TG_OP = 'UPDATE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT scope, kind, status, sum(n)
+          FROM (SELECT 'outbox:' || sink AS scope, coalesce(headers->>'almanac-kind', '') AS kind,
+                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                            WHEN published_at IS NOT NULL THEN 'published'
+                            ELSE 'pending' END AS status, -1 AS n
+                  FROM counted_old
+                UNION ALL
+                SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                            WHEN published_at IS NOT NULL THEN 'published'
+                            ELSE 'pending' END, 1
+                  FROM counted_new) AS moved
+         GROUP BY 1, 2, 3
+        HAVING sum(n) <> 0;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
+               CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                    WHEN published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, -count(*)
+          FROM counted_old GROUP BY 1, 2, 3;
+    ELSE
+        PERFORM almanac.counts_lock(true);
+        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%';
+    END IF;
+    RETURN NULL;
+END $$;
+
+CREATE TRIGGER jobs_count_insert AFTER INSERT ON almanac.jobs
+    REFERENCING NEW TABLE AS counted_new
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+CREATE TRIGGER jobs_count_update AFTER UPDATE ON almanac.jobs
+    REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+CREATE TRIGGER jobs_count_delete AFTER DELETE ON almanac.jobs
+    REFERENCING OLD TABLE AS counted_old
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+CREATE TRIGGER jobs_count_truncate AFTER TRUNCATE ON almanac.jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+CREATE TRIGGER outbox_count_insert AFTER INSERT ON almanac.outbox
+    REFERENCING NEW TABLE AS counted_new
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+CREATE TRIGGER outbox_count_update AFTER UPDATE ON almanac.outbox
+    REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+CREATE TRIGGER outbox_count_delete AFTER DELETE ON almanac.outbox
+    REFERENCING OLD TABLE AS counted_old
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+CREATE TRIGGER outbox_count_truncate AFTER TRUNCATE ON almanac.outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+-- The counts of the scopes asked for, per (scope, kind, status), with the
+-- row ('*', '', '') when they are whole. Nothing (no '*' row) on a
+-- standby, where an unlogged table cannot be read: readers count there.
+CREATE FUNCTION almanac.counts_read(scopes text[])
+RETURNS TABLE (scope text, kind text, status text, count bigint)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT c.scope, c.kind, c.status, sum(c.n)::bigint
+      FROM almanac.counts c
+     WHERE c.scope = ANY(scopes) OR c.scope = '*'
+     GROUP BY 1, 2, 3
+    HAVING sum(c.n) <> 0 OR c.scope = '*';
+END $$;
+
+-- Folds the rows into one per (scope, kind, status); counts the jobs and
+-- the outbox rows instead when the counts are not whole (no '*' row, or a
+-- negative count: a statement ran with the triggers off) or when
+-- `recount` says so. One folder at a time (the transaction's advisory
+-- lock; 'busy' when another holds it), and each step is one statement
+-- whose snapshot is taken after the lock: every delta row it sees belongs
+-- to a change its count sees, and the rows of transactions that commit
+-- later stay for the next fold.
+CREATE FUNCTION almanac.counts_fold(recount boolean DEFAULT false)
+RETURNS text
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'almanac.counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
+    END IF;
+    IF NOT almanac.counts_lock(false) THEN
+        RETURN 'busy';
+    END IF;
+    IF NOT recount THEN
+        SELECT NOT EXISTS (SELECT 1 FROM almanac.counts c WHERE c.scope = '*')
+               OR EXISTS (SELECT 1 FROM almanac.counts c GROUP BY c.scope, c.kind, c.status
+                          HAVING sum(c.n) < 0)
+          INTO recount;
+    END IF;
+    IF recount THEN
+        WITH gone AS (DELETE FROM almanac.counts)
+        INSERT INTO almanac.counts (scope, kind, status, n)
+        SELECT 'jobs', j.kind, j.status, count(*) FROM almanac.jobs j GROUP BY 2, 3
+        UNION ALL
+        SELECT 'outbox:' || o.sink, coalesce(o.headers->>'almanac-kind', ''),
+               CASE WHEN o.failed_at IS NOT NULL THEN 'failed'
+                    WHEN o.published_at IS NOT NULL THEN 'published'
+                    ELSE 'pending' END, count(*)
+          FROM almanac.outbox o GROUP BY 1, 2, 3
+        UNION ALL
+        SELECT '*', '', '', 0;
+        RETURN 'recounted';
+    END IF;
+    WITH gone AS (DELETE FROM almanac.counts RETURNING scope, kind, status, n)
+    INSERT INTO almanac.counts (scope, kind, status, n)
+    SELECT g.scope, g.kind, g.status, sum(g.n) FROM gone g GROUP BY 1, 2, 3
+    HAVING sum(g.n) <> 0 OR g.scope = '*';
+    RETURN 'folded';
+END $$;
