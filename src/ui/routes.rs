@@ -22,7 +22,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
         .await
         .map_err(|e| UiError::Db(e.to_string()))?;
     let backlog: BTreeMap<String, i64> = outbox::backlog_by_kind(&mut tx).await?;
-    let sinks = relay_outbox::stats(&mut *tx).await?;
+    let sinks = relay_outbox::stats(&mut tx).await?;
     let unserved = snapshot::unserved_routes(&mut tx).await?;
     let failed = outbox::failed(&mut tx, FAILED_ROWS).await?;
     tx.commit().await?;
