@@ -27,23 +27,15 @@
 -- the triggers, so that count and the rows after it miss nothing.
 SET LOCAL lock_timeout = '10s';
 
+-- vacuum_truncate off: every fold empties the table's pages, and the
+-- exclusive lock a VACUUM takes to cut them off would stall every writer
+-- of jobs and outbox rows behind it.
 CREATE UNLOGGED TABLE almanac.counts (
     scope  text   NOT NULL,
     kind   text   NOT NULL,
     status text   NOT NULL,
     n      bigint NOT NULL
-);
-
--- The folders' lock (and TRUNCATE's): two int4 halves, 'alma' 'coun'.
-CREATE FUNCTION almanac.counts_lock(wait boolean) RETURNS boolean
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF wait THEN
-        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
-        RETURN true;
-    END IF;
-    RETURN pg_try_advisory_xact_lock(1634495841, 1668248942);
-END $$;
+) WITH (vacuum_truncate = false);
 
 CREATE FUNCTION almanac.jobs_count() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -62,11 +54,12 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT 'jobs', kind, status, -count(*) FROM counted_old GROUP BY 2, 3;
-    ELSE -- TRUNCATE: no job is left (nor an outbox row: they reference
-         -- jobs). After any fold in progress, so none writes back rows of
-         -- jobs that are gone.
-        PERFORM almanac.counts_lock(true);
-        DELETE FROM almanac.counts WHERE scope = 'jobs';
+    ELSE -- TRUNCATE: no job is left. The '*' row goes too, so the next
+         -- fold counts again: a TRUNCATE under REPEATABLE READ cannot see
+         -- (and delete) the rows of changes that committed after its
+         -- snapshot, whose jobs it removed. No fold runs meanwhile: a fold
+         -- holds ACCESS SHARE on the tables, which TRUNCATE waits for.
+        DELETE FROM almanac.counts WHERE scope IN ('jobs', '*');
     END IF;
     RETURN NULL;
 END $$;
@@ -104,9 +97,8 @@ BEGIN
                     WHEN published_at IS NOT NULL THEN 'published'
                     ELSE 'pending' END, -count(*)
           FROM counted_old GROUP BY 1, 2, 3;
-    ELSE
-        PERFORM almanac.counts_lock(true);
-        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%';
+    ELSE -- TRUNCATE: as the jobs' above.
+        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%' OR scope = '*';
     END IF;
     RETURN NULL;
 END $$;
@@ -135,6 +127,16 @@ CREATE TRIGGER outbox_count_delete AFTER DELETE ON almanac.outbox
 CREATE TRIGGER outbox_count_truncate AFTER TRUNCATE ON almanac.outbox
     FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
 
+-- Counted under `session_replication_role = replica` too (bulk loads, a
+-- logical replication subscriber's apply): only a trigger disabled by
+-- name escapes the counts.
+ALTER TABLE almanac.jobs
+    ENABLE ALWAYS TRIGGER jobs_count_insert, ENABLE ALWAYS TRIGGER jobs_count_update,
+    ENABLE ALWAYS TRIGGER jobs_count_delete, ENABLE ALWAYS TRIGGER jobs_count_truncate;
+ALTER TABLE almanac.outbox
+    ENABLE ALWAYS TRIGGER outbox_count_insert, ENABLE ALWAYS TRIGGER outbox_count_update,
+    ENABLE ALWAYS TRIGGER outbox_count_delete, ENABLE ALWAYS TRIGGER outbox_count_truncate;
+
 -- The counts of the scopes asked for, per (scope, kind, status), with the
 -- row ('*', '', '') when they are whole. Nothing (no '*' row) on a
 -- standby, where an unlogged table cannot be read: readers count there.
@@ -156,8 +158,9 @@ END $$;
 -- Folds the rows into one per (scope, kind, status); counts the jobs and
 -- the outbox rows instead when the counts are not whole (no '*' row, or a
 -- negative count: a statement ran with the triggers off) or when
--- `recount` says so. One folder at a time (the transaction's advisory
--- lock; 'busy' when another holds it), and each step is one statement
+-- `recount` says so; 'skipped' on a standby or in a read-only
+-- transaction. One folder at a time (the transaction's advisory lock;
+-- 'busy' when another holds it), and each step is one statement
 -- whose snapshot is taken after the lock: every delta row it sees belongs
 -- to a change its count sees, and the rows of transactions that commit
 -- later stay for the next fold.
@@ -165,10 +168,19 @@ CREATE FUNCTION almanac.counts_fold(recount boolean DEFAULT false)
 RETURNS text
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- Nothing to write on a standby or in a read-only transaction.
+    IF pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on' THEN
+        RETURN 'skipped';
+    END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'almanac.counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
     END IF;
-    IF NOT almanac.counts_lock(false) THEN
+    -- Before the advisory lock: a TRUNCATE (which holds ACCESS EXCLUSIVE)
+    -- ends first, and none can start while this fold runs. Writers are not
+    -- blocked by ACCESS SHARE.
+    LOCK TABLE almanac.jobs, almanac.outbox IN ACCESS SHARE MODE;
+    -- One folder at a time: two int4 halves, 'alma' 'coun'.
+    IF NOT pg_try_advisory_xact_lock(1634495841, 1668248942) THEN
         RETURN 'busy';
     END IF;
     IF NOT recount THEN

@@ -20,10 +20,20 @@ pub struct Args {
 
 pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     let pool = ctx.pool().await?;
-    // Fold the counters' rows first, so the read is of tens of rows.
-    let folded = crate::queue::counts::fold(&pool, args.recount).await?;
-    if args.recount && folded == crate::queue::counts::Fold::Busy {
-        anyhow::bail!("another process is folding the job counters right now; run `almanac stats --recount` again");
+    // Fold the counters' rows first, so the read is of tens of rows; a
+    // fold that cannot run (a standby, a read-only session) leaves the read
+    // to count, unless a recount was asked for.
+    use crate::queue::counts::{fold, Fold};
+    match fold(&mut *pool.acquire().await?, args.recount).await {
+        Ok(Fold::Busy) if args.recount => anyhow::bail!(
+            "another process is folding the counters right now; run `almanac stats --recount` again"
+        ),
+        Ok(Fold::Skipped) if args.recount => anyhow::bail!(
+            "cannot recount here: the database is a standby or the session is read-only; run `almanac stats --recount` against the primary"
+        ),
+        Ok(_) => {}
+        Err(err) if args.recount => return Err(err.into()),
+        Err(err) => tracing::warn!(%err, "folding the counters failed; counting instead where they are not whole"),
     }
     let s = Snapshot::read(&mut *pool.acquire().await?).await?;
     if args.json {

@@ -6,7 +6,9 @@
 //!   deletes or truncates jobs or outbox rows adds, in its own transaction,
 //!   one row per (scope, kind, status) whose count it changed to the
 //!   unlogged `almanac.counts` (statement triggers over the transition
-//!   tables, so a batch of 500 claims writes two rows, not 500). A reader
+//!   tables, so a batch of 500 claims of one kind writes two rows, not
+//!   500). The triggers fire under `session_replication_role = replica`
+//!   too (`ENABLE ALWAYS`). A reader
 //!   sums the rows ([`read`]): it sees the counts of exactly the changes
 //!   its snapshot sees, like a `count(*)` would.
 //! - **Bounded.** A read costs the rows written since the last fold:
@@ -19,19 +21,23 @@
 //! - **Rebuilt when lost.** The table writes no WAL (a job's WAL is held
 //!   under 1,000 bytes): a crash or a failover empties it, and so its row
 //!   with scope `*`, which says the counts are whole. Without that row, or
-//!   with a negative count (a statement ran with triggers off, e.g.
-//!   `session_replication_role = replica`), readers count the rows
+//!   with a negative count (a statement ran with a count trigger
+//!   disabled), readers count the rows
 //!   themselves (O(rows), as before the counters), and the next fold counts
 //!   them once (without blocking writers) and writes the row again. On a
-//!   standby the table cannot be read: readers count there.
-//! - **Limit.** A bulk load or delete with triggers off that keeps every
-//!   count non-negative goes unseen: run `almanac stats --recount` after
-//!   one ([`fold`] with `recount`).
+//!   standby the table cannot be read: readers count there, and folds
+//!   skip. A TRUNCATE drops the `*` row too (under REPEATABLE READ it
+//!   cannot see the rows of changes committed after its snapshot).
+//! - **Limits.** A bulk load or delete with a count trigger disabled that
+//!   keeps every count non-negative goes unseen: run `almanac stats
+//!   --recount` after one ([`fold`] with `recount`). If nothing folds (no
+//!   reaper, collector or `stats` runs), the rows pile up and each read
+//!   sums them all.
 //! - **Cost.** A statement that changes jobs or outbox rows pays one
 //!   trigger call (about 30 µs in `psql` on the 2-core test machine, most of
 //!   it the call, not the rows); docs/speed.md has the figures.
 
-use sqlx::{PgConnection, PgExecutor};
+use sqlx::{Connection, PgConnection};
 
 use super::{JobStatus, KindStatusCount};
 
@@ -93,6 +99,8 @@ pub async fn jobs(conn: &mut PgConnection) -> Result<Option<Vec<KindStatusCount>
 pub enum Fold {
     /// Another fold held the lock; nothing done.
     Busy,
+    /// A standby or a read-only session: nothing to write; readers count.
+    Skipped,
     /// The rows summed into one per scope, kind and status.
     Folded,
     /// The rows counted (the counts were not whole, or `recount` was asked).
@@ -100,16 +108,23 @@ pub enum Fold {
 }
 
 /// Folds the counts' rows, or counts the jobs and outbox rows when the
-/// counts are not whole (or `recount`). Runs in a transaction of its own
-/// under READ COMMITTED (the function refuses any other level): pass a pool
-/// or a connection outside a transaction.
-pub async fn fold<'e>(db: impl PgExecutor<'e>, recount: bool) -> Result<Fold, sqlx::Error> {
+/// counts are not whole (or `recount`), in a READ COMMITTED transaction of
+/// its own (whatever the session's default): each of its statements must
+/// see what committed before it took the lock. `conn` must not be in a
+/// transaction.
+pub async fn fold(conn: &mut PgConnection, recount: bool) -> Result<Fold, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut *tx)
+        .await?;
     let done: String = sqlx::query_scalar("SELECT almanac.counts_fold($1)")
         .bind(recount)
-        .fetch_one(db)
+        .fetch_one(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(match done.as_str() {
         "busy" => Fold::Busy,
+        "skipped" => Fold::Skipped,
         "recounted" => Fold::Recounted,
         _ => Fold::Folded,
     })

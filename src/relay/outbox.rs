@@ -637,8 +637,9 @@ pub struct SinkOutboxStats {
     pub backlog: i64,
     /// Of those, rows a relay holds in flight right now.
     pub in_flight: i64,
-    /// How long the oldest due row waiting to be published has been due, in
-    /// seconds (0 when none is due).
+    /// How long the most overdue row waiting to be published has been due
+    /// (since its job's `run_at`, or since a failed publish set its next
+    /// try), in seconds; 0 when none is due.
     pub oldest_unpublished_seconds: f64,
     /// Rows the broker rejected for good; their jobs went dead.
     pub failed: i64,

@@ -283,11 +283,11 @@ impl Periodic for Collector {
     /// One refresh: read the database, set the gauges.
     async fn run_once(&self, _shutdown: &CancellationToken) -> Result<Snapshot, QueueError> {
         let mut conn = self.pool.acquire().await?;
-        // Fold the job counters' rows, so the read is of tens of rows
+        // Fold the counters' rows, so the read is of tens of rows
         // ([`crate::queue::counts`]); a fold that fails leaves them to the
         // next one.
         if let Err(err) = crate::queue::counts::fold(&mut *conn, false).await {
-            tracing::warn!(%err, "folding the job counters failed; the next refresh tries again");
+            tracing::warn!(%err, "folding the counters failed; the next refresh tries again");
         }
         let snapshot = Snapshot::read(&mut conn).await?;
         self.publish(&snapshot);

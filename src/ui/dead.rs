@@ -45,6 +45,8 @@ pub(super) async fn page(State(ui): State<Ui>, Query(gq): Query<GroupQuery>) -> 
     let filter = gq.filter();
     let mut tx = ui.read().await?;
     let groups = browse::dead_groups(&mut *tx, GROUPS).await?;
+    let total = browse::dead_count(&mut tx, &DeadFilter::default()).await?;
+    let sampled = total > browse::DEAD_SAMPLE;
     let selected = if filter != DeadFilter::default() {
         Some((
             browse::dead_count(&mut tx, &filter).await?,
@@ -54,15 +56,18 @@ pub(super) async fn page(State(ui): State<Ui>, Query(gq): Query<GroupQuery>) -> 
         None
     };
     tx.commit().await?;
-    let total: i64 = groups.iter().map(|g| g.count).sum();
     let body = html! {
-        p { span #dead-total { (total) } " dead jobs in " (groups.len()) " groups"
+        p { span #dead-total { (total) } " dead jobs"
+            @if sampled { "; the newest " (browse::DEAD_SAMPLE) " of them" }
+            " in " (groups.len()) " groups"
             @if groups.len() as i64 == GROUPS { " (the largest " (GROUPS) " shown)" } "." }
         @if groups.is_empty() {
             p .muted { "No dead jobs." }
         } @else {
             div .scroll { table #groups {
-                thead { tr { th { "kind" } th { "error (first line)" } th .num { "jobs" } th { "last died" } th {} } }
+                thead { tr { th { "kind" } th { "error (first line)" }
+                    th .num { @if sampled { "of the newest " (browse::DEAD_SAMPLE) } @else { "jobs" } }
+                    th { "last died" } th {} } }
                 tbody {
                     @for g in &groups {
                         @let f = DeadFilter { kind: Some(g.kind.clone()), error: Some(g.error.clone()) };

@@ -20,6 +20,13 @@ use crate::harness::{count, eventually};
 
 type Counts = BTreeMap<(String, String), i64>;
 
+/// One fold on a connection of its own.
+async fn fold(pool: &PgPool, recount: bool) -> Fold {
+    counts::fold(&mut pool.acquire().await.unwrap(), recount)
+        .await
+        .unwrap()
+}
+
 /// The jobs counted, per kind and status.
 async fn counted(pool: &PgPool) -> Counts {
     let rows: Vec<(String, String, i64)> =
@@ -115,20 +122,24 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
         .register("plain", failing)
         .register("ordered", failing);
     let worker = tokio::spawn(worker.run(stop.clone()));
-    // Folds as fast as they go, beside the writers.
-    let folding = {
-        let pool = pool.clone();
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let mut folds = 0;
-            while !stop.is_cancelled() {
-                if counts::fold(&pool, false).await.unwrap() == Fold::Folded {
-                    folds += 1;
+    // Two folders, each as fast as it goes, beside the writers.
+    let folding: Vec<_> = (0..2)
+        .map(|_| {
+            let pool = pool.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let (mut folds, mut busy) = (0, 0);
+                while !stop.is_cancelled() {
+                    match fold(&pool, false).await {
+                        Fold::Folded | Fold::Recounted => folds += 1,
+                        Fold::Busy => busy += 1,
+                        Fold::Skipped => panic!("a fold on the primary skipped"),
+                    }
                 }
-            }
-            folds
+                (folds, busy)
+            })
         })
-    };
+        .collect();
     let mut conn = pool.acquire().await.unwrap();
     for round in 0..20 {
         let jobs: Vec<NewJob> = (0..20)
@@ -142,7 +153,7 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
                 }
             })
             .collect();
-        let enqueued = queue::enqueue_many(&mut conn, &jobs).await.unwrap();
+        queue::enqueue_many(&mut conn, &jobs).await.unwrap();
         // A kind no worker runs, one job per transaction, some cancelled.
         let idle = queue::enqueue(&mut conn, &NewJob::new("idle"))
             .await
@@ -162,7 +173,6 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
                 .await
                 .unwrap();
         }
-        assert!(!enqueued.is_empty());
     }
     eventually(
         "every runnable job to end",
@@ -190,7 +200,14 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
     .unwrap();
     stop.cancel();
     worker.await.unwrap().unwrap();
-    assert!(folding.await.unwrap() > 0, "no fold ran beside the writers");
+    let (mut folds, mut busy) = (0, 0);
+    for folder in folding {
+        let (f, b) = folder.await.unwrap();
+        folds += f;
+        busy += b;
+    }
+    assert!(folds > 0, "no fold ran beside the writers");
+    eprintln!("{folds} folds, {busy} found the other folding");
     let outbox = outbox_counted(&pool).await;
     assert_eq!(
         outbox,
@@ -217,7 +234,7 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
     assert!(want.contains_key(&("plain".into(), "dead".into())));
     assert!(want.contains_key(&("idle".into(), "cancelled".into())));
     assert_eq!(counters(&pool).await, Some(want.clone()));
-    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
+    assert_eq!(fold(&pool, false).await, Fold::Folded);
     assert_eq!(counters(&pool).await, Some(want));
     let rows = count(&pool, "SELECT count(*) FROM almanac.counts").await;
     // plain and ordered done and dead, idle ready and cancelled, routed
@@ -227,12 +244,16 @@ async fn the_counters_equal_a_count_of_the_jobs_through_every_change_and_concurr
         "a fold leaves one row per scope, kind and status and the marker"
     );
 
-    // TRUNCATE empties the counts and leaves them whole.
+    // TRUNCATE empties the counts and leaves them to the next fold, which
+    // finds nothing.
     sqlx::query("TRUNCATE almanac.jobs CASCADE")
         .execute(&pool)
         .await
         .unwrap();
+    assert_eq!(counters(&pool).await, None);
+    assert_eq!(fold(&pool, false).await, Fold::Recounted);
     assert_eq!(counters(&pool).await, Some(Counts::new()));
+    assert_eq!(outbox_counters(&pool).await, Some(Vec::new()));
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -243,9 +264,9 @@ async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold
     }
     // A new database's counters are not whole until the first fold counts.
     assert_eq!(counters(&pool).await, None);
-    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(fold(&pool, false).await, Fold::Recounted);
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
-    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Folded);
+    assert_eq!(fold(&pool, false).await, Fold::Folded);
     // What a crash does to an unlogged table: it is emptied.
     sqlx::query("TRUNCATE almanac.counts")
         .execute(&pool)
@@ -264,23 +285,51 @@ async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold
         "stats counts the jobs while the counters are lost"
     );
     assert!(!stats.done_exact);
-    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(fold(&pool, false).await, Fold::Recounted);
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
 
-    // Jobs inserted with the triggers off, then deleted: a count goes negative,
-    // readers count around it, and the next fold rebuilds.
+    // Under `session_replication_role = replica` the triggers still count.
     sqlx::raw_sql(
         "SET session_replication_role = replica;
+         INSERT INTO almanac.jobs (kind) SELECT 'r' FROM generate_series(1, 2);
+         SET session_replication_role = origin;",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(counters(&pool).await, Some(counted(&pool).await));
+
+    // Jobs inserted with the count trigger disabled, then deleted: a count
+    // goes negative, readers count around it, and the next fold rebuilds.
+    sqlx::raw_sql(
+        "ALTER TABLE almanac.jobs DISABLE TRIGGER jobs_count_insert;
          INSERT INTO almanac.jobs (kind) SELECT 'b' FROM generate_series(1, 2);
-         SET session_replication_role = origin;
+         ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_insert;
          DELETE FROM almanac.jobs WHERE kind = 'b';",
     )
     .execute(&mut *conn)
     .await
     .unwrap();
     assert_eq!(counters(&pool).await, None, "b's count is negative");
-    assert_eq!(counts::fold(&pool, false).await.unwrap(), Fold::Recounted);
+    assert_eq!(fold(&pool, false).await, Fold::Recounted);
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
+
+    // A read-only session (as on a standby) folds nothing, and `stats`
+    // still answers there.
+    let mut read_only = pool.acquire().await.unwrap();
+    sqlx::query("SET default_transaction_read_only = on")
+        .execute(&mut *read_only)
+        .await
+        .unwrap();
+    assert_eq!(
+        counts::fold(&mut read_only, true).await.unwrap(),
+        Fold::Skipped
+    );
+    queue::stats(&mut read_only).await.unwrap();
+    sqlx::query("RESET default_transaction_read_only")
+        .execute(&mut *read_only)
+        .await
+        .unwrap();
 }
 
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
@@ -299,7 +348,7 @@ async fn stats_reads_no_job_or_outbox_row_on_200k_jobs_and_150k_pending_outbox_r
     .execute(&pool)
     .await
     .unwrap();
-    counts::fold(&pool, false).await.unwrap();
+    fold(&pool, false).await;
     let mut tx = pool.begin().await.unwrap();
     let snapshot = almanac::stats::Snapshot::read(&mut tx).await.unwrap();
     let stats = snapshot.jobs.clone();
@@ -335,5 +384,57 @@ async fn stats_reads_no_job_or_outbox_row_on_200k_jobs_and_150k_pending_outbox_r
     assert!(
         index_tuples < 20,
         "stats read {index_tuples} index entries of the jobs and the outbox; counting them reads 350,000"
+    );
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_dead_letter_groups_read_the_newest_10000_dead_jobs_and_count_all(pool: PgPool) {
+    use almanac::queue::browse::{self, DeadFilter, DEAD_SAMPLE};
+    sqlx::raw_sql(
+        "INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+             SELECT 'mail', 'dead', 1, now() - interval '2 days', 'old failure' FROM generate_series(1, 20000);
+         INSERT INTO almanac.jobs (kind, status, attempts, finished_at, last_error)
+             SELECT 'mail', 'dead', 1, now() - g * interval '1 ms', E'new failure\\ndetail'
+               FROM generate_series(1, 15000) g;
+         ANALYZE almanac.jobs;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    fold(&pool, false).await;
+    let mut tx = pool.begin().await.unwrap();
+    let groups = browse::dead_groups(&mut *tx, 200).await.unwrap();
+    let total = browse::dead_count(&mut tx, &DeadFilter::default())
+        .await
+        .unwrap();
+    let of_kind = browse::dead_count(
+        &mut tx,
+        &DeadFilter {
+            kind: Some("mail".into()),
+            error: None,
+        },
+    )
+    .await
+    .unwrap();
+    let read: i64 = sqlx::query_scalar(
+        "SELECT (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index
+                  WHERE indrelid = 'almanac.jobs'::regclass)::bigint
+                + pg_stat_get_xact_tuples_returned('almanac.jobs'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    // The newest 10,000 are all of the new failure; the totals count all.
+    assert_eq!(DEAD_SAMPLE, 10_000);
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    assert_eq!(
+        (groups[0].error.as_str(), groups[0].count),
+        ("new failure", 10_000)
+    );
+    assert_eq!((total, of_kind), (35_000, 35_000));
+    assert!(
+        read <= 10_100,
+        "the groups and counts read {read} entries and rows of the jobs; all dead jobs are 35,000"
     );
 }

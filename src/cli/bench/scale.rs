@@ -270,7 +270,7 @@ async fn measure(pool: &PgPool, args: &Args, floor: i64) -> anyhow::Result<Figur
     .await?;
     // The job counters folded, as a running reaper folds them every sweep
     // (the fill's rows, and a first count after the migration).
-    crate::queue::counts::fold(pool, false).await?;
+    crate::queue::counts::fold(&mut *pool.acquire().await?, false).await?;
     pages::measure(pool, probe, &mut f).await?;
     f.time("stats snapshot", || async {
         crate::stats::Snapshot::read(&mut *pool.acquire().await?).await?;

@@ -247,11 +247,14 @@ async fn job(State(ui): State<Ui>, Path(id): Path<String>) -> Answer {
 async fn dead(State(ui): State<Ui>) -> Answer {
     let mut tx = ui.read().await?;
     let groups = browse::dead_groups(&mut *tx, DEAD_GROUPS).await?;
+    let total = browse::dead_count(&mut tx, &browse::DeadFilter::default()).await?;
     tx.commit().await?;
-    let total: i64 = groups.iter().map(|g| g.count).sum();
     Ok(Json(json!({
         "total": total,
         "truncated": groups.len() as i64 == DEAD_GROUPS,
+        // The groups are of the newest `sample` dead jobs, their counts within it.
+        "sampled": total > browse::DEAD_SAMPLE,
+        "sample": browse::DEAD_SAMPLE,
         "groups": groups,
     })))
 }
