@@ -200,10 +200,19 @@ CREATE FUNCTION almanac.counts_fold(recount boolean DEFAULT false) RETURNS text
     LANGUAGE plpgsql
     AS $$
 BEGIN
+    -- Nothing to write on a standby or in a read-only transaction.
+    IF pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on' THEN
+        RETURN 'skipped';
+    END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'almanac.counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
     END IF;
-    IF NOT almanac.counts_lock(false) THEN
+    -- Before the advisory lock: a TRUNCATE (which holds ACCESS EXCLUSIVE)
+    -- ends first, and none can start while this fold runs. Writers are not
+    -- blocked by ACCESS SHARE.
+    LOCK TABLE almanac.jobs, almanac.outbox IN ACCESS SHARE MODE;
+    -- One folder at a time: two int4 halves, 'alma' 'coun'.
+    IF NOT pg_try_advisory_xact_lock(1634495841, 1668248942) THEN
         RETURN 'busy';
     END IF;
     IF NOT recount THEN
@@ -231,22 +240,6 @@ BEGIN
     SELECT g.scope, g.kind, g.status, sum(g.n) FROM gone g GROUP BY 1, 2, 3
     HAVING sum(g.n) <> 0 OR g.scope = '*';
     RETURN 'folded';
-END $$;
-
-
---
--- Name: counts_lock(boolean); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.counts_lock(wait boolean) RETURNS boolean
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    IF wait THEN
-        PERFORM pg_advisory_xact_lock(1634495841, 1668248942);
-        RETURN true;
-    END IF;
-    RETURN pg_try_advisory_xact_lock(1634495841, 1668248942);
 END $$;
 
 
@@ -587,11 +580,12 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT 'jobs', kind, status, -count(*) FROM counted_old GROUP BY 2, 3;
-    ELSE -- TRUNCATE: no job is left (nor an outbox row: they reference
-         -- jobs). After any fold in progress, so none writes back rows of
-         -- jobs that are gone.
-        PERFORM almanac.counts_lock(true);
-        DELETE FROM almanac.counts WHERE scope = 'jobs';
+    ELSE -- TRUNCATE: no job is left. The '*' row goes too, so the next
+         -- fold counts again: a TRUNCATE under REPEATABLE READ cannot see
+         -- (and delete) the rows of changes that committed after its
+         -- snapshot, whose jobs it removed. No fold runs meanwhile: a fold
+         -- holds ACCESS SHARE on the tables, which TRUNCATE waits for.
+        DELETE FROM almanac.counts WHERE scope IN ('jobs', '*');
     END IF;
     RETURN NULL;
 END $$;
@@ -813,9 +807,8 @@ BEGIN
                     WHEN published_at IS NOT NULL THEN 'published'
                     ELSE 'pending' END, -count(*)
           FROM counted_old GROUP BY 1, 2, 3;
-    ELSE
-        PERFORM almanac.counts_lock(true);
-        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%';
+    ELSE -- TRUNCATE: as the jobs' above.
+        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%' OR scope = '*';
     END IF;
     RETURN NULL;
 END $$;
@@ -1186,7 +1179,8 @@ CREATE UNLOGGED TABLE almanac.counts (
     kind text NOT NULL,
     status text NOT NULL,
     n bigint NOT NULL
-);
+)
+WITH (vacuum_truncate='false');
 
 
 --
@@ -1742,12 +1736,16 @@ CREATE INDEX schedule_runs_planned_idx ON almanac.schedule_runs USING btree (sch
 
 CREATE TRIGGER jobs_count_delete AFTER DELETE ON almanac.jobs REFERENCING OLD TABLE AS counted_old FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
 
+ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_delete;
+
 
 --
 -- Name: jobs jobs_count_insert; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
 CREATE TRIGGER jobs_count_insert AFTER INSERT ON almanac.jobs REFERENCING NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_insert;
 
 
 --
@@ -1756,12 +1754,16 @@ CREATE TRIGGER jobs_count_insert AFTER INSERT ON almanac.jobs REFERENCING NEW TA
 
 CREATE TRIGGER jobs_count_truncate AFTER TRUNCATE ON almanac.jobs FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
 
+ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_truncate;
+
 
 --
 -- Name: jobs jobs_count_update; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
 CREATE TRIGGER jobs_count_update AFTER UPDATE ON almanac.jobs REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_count();
+
+ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_update;
 
 
 --
@@ -1805,12 +1807,16 @@ CREATE TRIGGER jobs_to_outbox AFTER INSERT OR UPDATE OF status, route ON almanac
 
 CREATE TRIGGER outbox_count_delete AFTER DELETE ON almanac.outbox REFERENCING OLD TABLE AS counted_old FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
 
+ALTER TABLE almanac.outbox ENABLE ALWAYS TRIGGER outbox_count_delete;
+
 
 --
 -- Name: outbox outbox_count_insert; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
 CREATE TRIGGER outbox_count_insert AFTER INSERT ON almanac.outbox REFERENCING NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+ALTER TABLE almanac.outbox ENABLE ALWAYS TRIGGER outbox_count_insert;
 
 
 --
@@ -1819,12 +1825,16 @@ CREATE TRIGGER outbox_count_insert AFTER INSERT ON almanac.outbox REFERENCING NE
 
 CREATE TRIGGER outbox_count_truncate AFTER TRUNCATE ON almanac.outbox FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
 
+ALTER TABLE almanac.outbox ENABLE ALWAYS TRIGGER outbox_count_truncate;
+
 
 --
 -- Name: outbox outbox_count_update; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
 CREATE TRIGGER outbox_count_update AFTER UPDATE ON almanac.outbox REFERENCING OLD TABLE AS counted_old NEW TABLE AS counted_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.outbox_count();
+
+ALTER TABLE almanac.outbox ENABLE ALWAYS TRIGGER outbox_count_update;
 
 
 --
