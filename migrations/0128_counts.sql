@@ -64,38 +64,38 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- An outbox row's status in the counts (inlined by the planner).
+CREATE FUNCTION almanac.outbox_state(failed_at timestamptz, published_at timestamptz)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN failed_at IS NOT NULL THEN 'failed'
+                WHEN published_at IS NOT NULL THEN 'published'
+                ELSE 'pending' END
+$$;
+
 CREATE FUNCTION almanac.outbox_count() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'INSERT' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
-               CASE WHEN failed_at IS NOT NULL THEN 'failed'
-                    WHEN published_at IS NOT NULL THEN 'published'
-                    ELSE 'pending' END, count(*)
+               almanac.outbox_state(failed_at, published_at), count(*)
           FROM counted_new GROUP BY 1, 2, 3;
     ELSIF TG_OP = 'UPDATE' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT scope, kind, status, sum(n)
           FROM (SELECT 'outbox:' || sink AS scope, coalesce(headers->>'almanac-kind', '') AS kind,
-                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
-                            WHEN published_at IS NOT NULL THEN 'published'
-                            ELSE 'pending' END AS status, -1 AS n
+                       almanac.outbox_state(failed_at, published_at) AS status, -1 AS n
                   FROM counted_old
                 UNION ALL
                 SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
-                       CASE WHEN failed_at IS NOT NULL THEN 'failed'
-                            WHEN published_at IS NOT NULL THEN 'published'
-                            ELSE 'pending' END, 1
+                       almanac.outbox_state(failed_at, published_at), 1
                   FROM counted_new) AS moved
          GROUP BY 1, 2, 3
         HAVING sum(n) <> 0;
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT 'outbox:' || sink, coalesce(headers->>'almanac-kind', ''),
-               CASE WHEN failed_at IS NOT NULL THEN 'failed'
-                    WHEN published_at IS NOT NULL THEN 'published'
-                    ELSE 'pending' END, -count(*)
+               almanac.outbox_state(failed_at, published_at), -count(*)
           FROM counted_old GROUP BY 1, 2, 3;
     ELSE -- TRUNCATE: as the jobs' above.
         DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%' OR scope = '*';
@@ -195,9 +195,7 @@ BEGIN
         SELECT 'jobs', j.kind, j.status, count(*) FROM almanac.jobs j GROUP BY 2, 3
         UNION ALL
         SELECT 'outbox:' || o.sink, coalesce(o.headers->>'almanac-kind', ''),
-               CASE WHEN o.failed_at IS NOT NULL THEN 'failed'
-                    WHEN o.published_at IS NOT NULL THEN 'published'
-                    ELSE 'pending' END, count(*)
+               almanac.outbox_state(o.failed_at, o.published_at), count(*)
           FROM almanac.outbox o GROUP BY 1, 2, 3
         UNION ALL
         SELECT '*', '', '', 0;

@@ -286,7 +286,7 @@ impl Periodic for Collector {
         // Fold the counters' rows, so the read is of tens of rows
         // ([`crate::queue::counts`]); a fold that fails leaves them to the
         // next one.
-        if let Err(err) = crate::queue::counts::fold(&mut *conn, false).await {
+        if let Err(err) = crate::queue::counts::fold(&mut conn, false).await {
             tracing::warn!(%err, "folding the counters failed; the next refresh tries again");
         }
         let snapshot = Snapshot::read(&mut conn).await?;

@@ -27,6 +27,21 @@ async fn fold(pool: &PgPool, recount: bool) -> Fold {
         .unwrap()
 }
 
+/// This transaction's own reads of `tables`: rows read by sequential scans,
+/// and entries of their indexes read by index scans.
+async fn reads(tx: &mut sqlx::PgConnection, tables: &[&str]) -> (i64, i64) {
+    sqlx::query_as(
+        "WITH t AS (SELECT unnest($1::text[])::regclass AS r)
+         SELECT coalesce((SELECT sum(pg_stat_get_xact_tuples_returned(r)) FROM t), 0)::bigint,
+                coalesce((SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index
+                  WHERE indrelid IN (SELECT r FROM t)), 0)::bigint",
+    )
+    .bind(tables)
+    .fetch_one(tx)
+    .await
+    .unwrap()
+}
+
 /// The jobs counted, per kind and status.
 async fn counted(pool: &PgPool) -> Counts {
     let rows: Vec<(String, String, i64)> =
@@ -352,18 +367,7 @@ async fn stats_reads_no_job_or_outbox_row_on_200k_jobs_and_150k_pending_outbox_r
     let mut tx = pool.begin().await.unwrap();
     let snapshot = almanac::stats::Snapshot::read(&mut tx).await.unwrap();
     let stats = snapshot.jobs.clone();
-    // This transaction's own reads: rows of the jobs and outbox tables read
-    // by sequential scans, entries of their indexes read by index scans.
-    let (tuples, index_tuples): (i64, i64) = sqlx::query_as(
-        "WITH t AS (SELECT unnest($1::text[])::regclass AS r)
-         SELECT (SELECT sum(pg_stat_get_xact_tuples_returned(r)) FROM t)::bigint,
-                (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index
-                  WHERE indrelid IN (SELECT r FROM t))::bigint",
-    )
-    .bind(vec!["almanac.jobs", "almanac.outbox"])
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
+    let (tuples, index_tuples) = reads(&mut tx, &["almanac.jobs", "almanac.outbox"]).await;
     tx.rollback().await.unwrap();
     let rabbitmq = snapshot
         .outbox
@@ -416,14 +420,8 @@ async fn the_dead_letter_groups_read_the_newest_10000_dead_jobs_and_count_all(po
     )
     .await
     .unwrap();
-    let read: i64 = sqlx::query_scalar(
-        "SELECT (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index
-                  WHERE indrelid = 'almanac.jobs'::regclass)::bigint
-                + pg_stat_get_xact_tuples_returned('almanac.jobs'::regclass)",
-    )
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
+    let (tuples, index_tuples) = reads(&mut tx, &["almanac.jobs"]).await;
+    let read = tuples + index_tuples;
     tx.rollback().await.unwrap();
     // The newest 10,000 are all of the new failure; the totals count all.
     assert_eq!(DEAD_SAMPLE, 10_000);
