@@ -22,8 +22,8 @@
 --
 -- No count is taken here (it would hold every writer of almanac.jobs
 -- for O(jobs)): the table starts without its '*' row, and the first fold
--- (the reaper's next sweep, or `almanac stats`) counts once without
--- blocking anyone. Every change that commits after this migration fires
+-- (the reaper's next sweep, or `almanac stats`) counts once, reading
+-- while writers go on. Every change that commits after this migration fires
 -- the triggers, so that count and the rows after it miss nothing.
 SET LOCAL lock_timeout = '10s';
 
@@ -54,12 +54,12 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO almanac.counts (scope, kind, status, n)
         SELECT 'jobs', kind, status, -count(*) FROM counted_old GROUP BY 2, 3;
-    ELSE -- TRUNCATE: no job is left. The '*' row goes too, so the next
-         -- fold counts again: a TRUNCATE under REPEATABLE READ cannot see
-         -- (and delete) the rows of changes that committed after its
-         -- snapshot, whose jobs it removed. No fold runs meanwhile: a fold
-         -- holds ACCESS SHARE on the tables, which TRUNCATE waits for.
-        DELETE FROM almanac.counts WHERE scope IN ('jobs', '*');
+    ELSE -- TRUNCATE: a '*' row of -1, so the counts are not whole (a
+         -- negative count) until a fold counts again. Nothing is deleted: a
+         -- TRUNCATE under REPEATABLE READ could not see the rows of changes
+         -- (or of a recount) committed after its snapshot, whatever it did;
+         -- this row counts whatever snapshot anyone reads it in.
+        INSERT INTO almanac.counts (scope, kind, status, n) VALUES ('*', '', '', -1);
     END IF;
     RETURN NULL;
 END $$;
@@ -98,7 +98,7 @@ BEGIN
                almanac.outbox_state(failed_at, published_at), -count(*)
           FROM counted_old GROUP BY 1, 2, 3;
     ELSE -- TRUNCATE: as the jobs' above.
-        DELETE FROM almanac.counts WHERE scope LIKE 'outbox:%' OR scope = '*';
+        INSERT INTO almanac.counts (scope, kind, status, n) VALUES ('*', '', '', -1);
     END IF;
     RETURN NULL;
 END $$;
@@ -175,10 +175,6 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'almanac.counts_fold() needs READ COMMITTED: each of its statements must see what committed before it took its lock';
     END IF;
-    -- Before the advisory lock: a TRUNCATE (which holds ACCESS EXCLUSIVE)
-    -- ends first, and none can start while this fold runs. Writers are not
-    -- blocked by ACCESS SHARE.
-    LOCK TABLE almanac.jobs, almanac.outbox IN ACCESS SHARE MODE;
     -- One folder at a time: two int4 halves, 'alma' 'coun'.
     IF NOT pg_try_advisory_xact_lock(1634495841, 1668248942) THEN
         RETURN 'busy';

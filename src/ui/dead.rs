@@ -58,7 +58,7 @@ pub(super) async fn page(State(ui): State<Ui>, Query(gq): Query<GroupQuery>) -> 
     tx.commit().await?;
     let body = html! {
         p { span #dead-total { (total) } " dead jobs"
-            @if sampled { "; the newest " (browse::DEAD_SAMPLE) " of them" }
+            @if sampled { "; the newest " (browse::DEAD_SAMPLE) " of them, of every kind," }
             " in " (groups.len()) " groups"
             @if groups.len() as i64 == GROUPS { " (the largest " (GROUPS) " shown)" } "." }
         @if groups.is_empty() {

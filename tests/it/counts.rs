@@ -329,6 +329,27 @@ async fn lost_or_broken_counters_are_counted_around_and_rebuilt_by_the_next_fold
     assert_eq!(fold(&pool, false).await, Fold::Recounted);
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
 
+    // A TRUNCATE under REPEATABLE READ whose snapshot predates a job and
+    // a fold: it cannot see their rows, and the counts say they are not
+    // whole until the next fold counts again.
+    let mut old = pool.begin().await.unwrap();
+    sqlx::raw_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .execute(&mut *old)
+        .await
+        .unwrap();
+    queue::enqueue(&mut conn, &NewJob::new("late"))
+        .await
+        .unwrap();
+    assert_eq!(fold(&pool, false).await, Fold::Folded);
+    sqlx::query("TRUNCATE almanac.jobs CASCADE")
+        .execute(&mut *old)
+        .await
+        .unwrap();
+    old.commit().await.unwrap();
+    assert_eq!(counters(&pool).await, None);
+    assert_eq!(fold(&pool, false).await, Fold::Recounted);
+    assert_eq!(counters(&pool).await, Some(Counts::new()));
+
     // A read-only session (as on a standby) folds nothing, and `stats`
     // still answers there.
     let mut read_only = pool.acquire().await.unwrap();
