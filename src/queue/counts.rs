@@ -45,8 +45,10 @@ use sqlx::{Connection, PgConnection};
 
 use super::{JobStatus, KindStatusCount};
 
-/// The scope of the jobs' counts; an outbox's is `outbox:` and the sink.
+/// The scope of the jobs' counts.
 pub const JOBS: &str = "jobs";
+/// The scope of a sink's outbox rows is this and the sink's name.
+const OUTBOX: &str = "outbox:";
 
 /// One count: rows of `scope` of `kind` in `status`.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -96,6 +98,23 @@ pub async fn jobs(conn: &mut PgConnection) -> Result<Option<Vec<KindStatusCount>
         });
     }
     Ok(Some(out))
+}
+
+/// The outbox rows per sink, kind and state (`pending`, `failed`,
+/// `published`), every sink's: [`Count::scope`] is the sink's name. `None`
+/// when the counts are not whole.
+pub async fn outbox(conn: &mut PgConnection) -> Result<Option<Vec<Count>>, sqlx::Error> {
+    let scopes = crate::broker::SinkKind::ALL.map(|s| format!("{OUTBOX}{}", s.as_str()));
+    let scopes: Vec<&str> = scopes.iter().map(String::as_str).collect();
+    Ok(read(conn, &scopes).await?.map(|counts| {
+        counts
+            .into_iter()
+            .map(|c| Count {
+                scope: c.scope.trim_start_matches(OUTBOX).to_string(),
+                ..c
+            })
+            .collect()
+    }))
 }
 
 /// What a [`fold`] did.

@@ -653,9 +653,7 @@ pub struct SinkOutboxStats {
 /// whatever the backlog.
 pub async fn stats(conn: &mut PgConnection) -> Result<Vec<SinkOutboxStats>, sqlx::Error> {
     let sinks = SinkKind::ALL.map(SinkKind::as_str).to_vec();
-    let scopes: Vec<String> = sinks.iter().map(|s| format!("outbox:{s}")).collect();
-    let scopes: Vec<&str> = scopes.iter().map(String::as_str).collect();
-    let counted = crate::queue::counts::read(&mut *conn, &scopes).await?;
+    let counted = crate::queue::counts::outbox(&mut *conn).await?;
     let mut rows: Vec<SinkOutboxStats> = sqlx::query_as(
         r#"
         SELECT s.sink,
@@ -683,11 +681,11 @@ pub async fn stats(conn: &mut PgConnection) -> Result<Vec<SinkOutboxStats>, sqlx
     .await?;
     if let Some(counted) = counted {
         for row in &mut rows {
-            let scope = format!("outbox:{}", row.sink);
+            let sink = row.sink.clone();
             let of = |status: &str| -> i64 {
                 counted
                     .iter()
-                    .filter(|c| c.scope == scope && c.status == status)
+                    .filter(|c| c.scope == sink && c.status == status)
                     .map(|c| c.count)
                     .sum()
             };

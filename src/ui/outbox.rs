@@ -61,9 +61,7 @@ pub async fn failed(conn: &mut PgConnection, limit: i64) -> Result<Vec<Row>, sql
 pub async fn backlog_by_kind(
     conn: &mut PgConnection,
 ) -> Result<std::collections::BTreeMap<String, i64>, sqlx::Error> {
-    let scopes = crate::relay::SinkKind::ALL.map(|s| format!("outbox:{}", s.as_str()));
-    let scopes: Vec<&str> = scopes.iter().map(String::as_str).collect();
-    let rows: Vec<(String, i64)> = match crate::queue::counts::read(&mut *conn, &scopes).await? {
+    let rows: Vec<(String, i64)> = match crate::queue::counts::outbox(&mut *conn).await? {
         Some(counted) => counted
             .into_iter()
             .filter(|c| c.status == "pending")
