@@ -586,42 +586,42 @@ END $$;
 
 
 --
--- Name: jobs_note_ended_key(); Type: FUNCTION; Schema: almanac; Owner: -
+-- Name: jobs_release_ended(); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
-CREATE FUNCTION almanac.jobs_note_ended_key() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    PERFORM set_config('almanac.ended_keys',
-                       coalesce(current_setting('almanac.ended_keys', true), '')
-                       || json_build_array(OLD.kind, OLD.ordering_key)::text || E'\n', true);
-    RETURN NULL;
-END $$;
-
-
---
--- Name: jobs_release_keys(); Type: FUNCTION; Schema: almanac; Owner: -
---
-
-CREATE FUNCTION almanac.jobs_release_keys() RETURNS trigger
+CREATE FUNCTION almanac.jobs_release_ended() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_ended text := current_setting('almanac.ended_keys', true);
     v_kinds text[];
     v_keys text[];
     v_got boolean[];
 BEGIN
-    IF v_ended IS NULL OR v_ended = '' THEN
+    IF NOT EXISTS (SELECT 1 FROM ended_old AS o
+                   WHERE o.ordering_key IS NOT NULL
+                     AND o.status IN ('ready', 'running', 'dead', 'held')) THEN
         RETURN NULL;
     END IF;
-    PERFORM set_config('almanac.ended_keys', '', true);
-    SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
-    INTO v_kinds, v_keys
-    FROM (SELECT DISTINCT e ->> 0 AS kind, e ->> 1 AS key
-          FROM unnest(string_to_array(rtrim(v_ended, E'\n'), E'\n')) AS l(line),
-               LATERAL (SELECT l.line::json AS e) AS j) AS k;
+    IF TG_OP = 'UPDATE' THEN
+        SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
+        INTO v_kinds, v_keys
+        FROM (SELECT DISTINCT o.kind, o.ordering_key AS key
+              FROM ended_old AS o JOIN ended_new AS n ON n.id = o.id
+              WHERE o.ordering_key IS NOT NULL
+                AND o.status IN ('ready', 'running', 'dead', 'held')
+                AND n.status IN ('done', 'cancelled', 'dead')
+                AND n.status <> o.status) AS k;
+    ELSE
+        SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
+        INTO v_kinds, v_keys
+        FROM (SELECT DISTINCT o.kind, o.ordering_key AS key
+              FROM ended_old AS o
+              WHERE o.ordering_key IS NOT NULL
+                AND o.status IN ('ready', 'running', 'dead', 'held')) AS k;
+    END IF;
+    IF v_kinds IS NULL THEN
+        RETURN NULL;
+    END IF;
     v_got := almanac.lock_keys(v_kinds, v_keys, clock_timestamp() + interval '50 milliseconds');
     INSERT INTO almanac.ordering_recheck (kind, ordering_key)
     SELECT k.kind, k.key FROM unnest(v_kinds, v_keys, v_got) AS k(kind, key, got)
@@ -910,6 +910,7 @@ DECLARE
     v_ids bigint[];
     v_taken bigint[];
     v_kind text;
+    v_n integer;
     v_released integer := 0;
 BEGIN
     SELECT array_agg(h.id) INTO v_ids
@@ -937,16 +938,16 @@ BEGIN
         WHERE j.id = ANY (v_ids) AND j.id <> ALL (v_taken)
         ON CONFLICT DO NOTHING;
     END IF;
-    FOR v_kind IN
+    FOR v_kind, v_n IN
         WITH released AS (
             UPDATE almanac.jobs AS j
             SET status = 'ready',
                 route = coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = j.kind), 'db')
             WHERE j.id = ANY (v_taken)
             RETURNING j.kind)
-        SELECT released.kind FROM released
+        SELECT released.kind, count(*)::integer FROM released GROUP BY released.kind
     LOOP
-        v_released := v_released + 1;
+        v_released := v_released + v_n;
         PERFORM pg_notify('almanac_jobs', v_kind);
     END LOOP;
     RETURN v_released;
@@ -1766,24 +1767,17 @@ ALTER TABLE almanac.jobs ENABLE ALWAYS TRIGGER jobs_count_update;
 
 
 --
--- Name: jobs jobs_note_ended_key; Type: TRIGGER; Schema: almanac; Owner: -
+-- Name: jobs jobs_release_ended_delete; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_note_ended_key AFTER UPDATE OF status ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text, 'held'::text])) AND (new.status = ANY (ARRAY['done'::text, 'cancelled'::text, 'dead'::text])) AND (new.status <> old.status))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
-
-
---
--- Name: jobs jobs_note_ended_key_on_delete; Type: TRIGGER; Schema: almanac; Owner: -
---
-
-CREATE TRIGGER jobs_note_ended_key_on_delete AFTER DELETE ON almanac.jobs FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND (old.status = ANY (ARRAY['ready'::text, 'running'::text, 'dead'::text, 'held'::text])))) EXECUTE FUNCTION almanac.jobs_note_ended_key();
+CREATE TRIGGER jobs_release_ended_delete AFTER DELETE ON almanac.jobs REFERENCING OLD TABLE AS ended_old FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_release_ended();
 
 
 --
--- Name: jobs jobs_release_keys; Type: TRIGGER; Schema: almanac; Owner: -
+-- Name: jobs jobs_release_ended_update; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_release_keys AFTER DELETE OR UPDATE OF status ON almanac.jobs FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_release_keys();
+CREATE TRIGGER jobs_release_ended_update AFTER UPDATE ON almanac.jobs REFERENCING OLD TABLE AS ended_old NEW TABLE AS ended_new FOR EACH STATEMENT EXECUTE FUNCTION almanac.jobs_release_ended();
 
 
 --

@@ -28,7 +28,8 @@
 //! - *Release.* When a job that could stand before others ends (`done`,
 //!   `cancelled`, `dead`) or is deleted, its key is released in the same
 //!   transaction, by a trigger after the statement that ended it (one
-//!   UPDATE for all the keys a statement ended, migration 0117): unless a
+//!   UPDATE for all the keys a statement ended, migration 0117; the keys
+//!   read from the statement's transition tables, migration 0129): unless a
 //!   job still stands before them, the key's
 //!   lowest held job becomes `ready`, with its kind's route now (a `dual` or
 //!   `broker` kind gets its outbox row), and workers are notified. The
@@ -55,11 +56,11 @@
 //!   releases the keys a dead job was holding.
 //!
 //! **What it costs.** A kind that is not ordered pays a lookup in the
-//! (small) settings table at insert; the release's row trigger has a WHEN
-//! clause that leaves every job without a key alone, and its statement
-//! trigger, called once per UPDATE of `status` or DELETE on the jobs table,
-//! finds nothing noted and returns (microseconds per statement, not per
-//! row). A
+//! (small) settings table at insert; the release's statement triggers,
+//! called once per UPDATE or DELETE on the jobs table, look through the
+//! statement's old rows for one with a key, find none and return (a scan
+//! of the statement's rows in memory, which PostgreSQL keeps for the
+//! counters' triggers anyway: microseconds per statement). A
 //! key's throughput is one job at a time, one round of claim (or relay,
 //! broker and consumer) per job; different keys run in parallel.
 //!
