@@ -329,9 +329,7 @@ async fn every_execution_joins_its_enqueue_trace(pool: PgPool, mode: Mode) {
         eventually(
             "every outbox row of a dual job published",
             Duration::from_secs(120),
-            || async {
-                count(&pool, "SELECT count(*) FROM almanac.outbox").await == 0
-            },
+            || async { count(&pool, "SELECT count(*) FROM almanac.outbox").await == 0 },
         )
         .await;
     }
