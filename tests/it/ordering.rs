@@ -855,3 +855,87 @@ async fn held_jobs_show_in_stats_jobs_list_and_metrics(pool: PgPool) {
         "b still waits for its head"
     );
 }
+
+/// The release reads the keys a statement ended from its transition
+/// tables (migration 0129): one statement ending the heads of many keys
+/// releases the next job of each, whether it cancels them or deletes dead
+/// ones, and an UPDATE that ends nothing releases nothing.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn one_statement_ending_many_keys_releases_the_next_job_of_each(pool: PgPool) {
+    const KEYS: i64 = 300;
+    order_kind(&pool, OnDead::Halt).await;
+    sqlx::query(
+        "INSERT INTO almanac.jobs (kind, payload)
+         SELECT $1, jsonb_build_object('k', 'key' || (g % $2)) FROM generate_series(0, 3 * $2 - 1) AS g",
+    )
+    .bind(KIND)
+    .bind(KEYS)
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Per key: the id rank of its ready job (1 = its first).
+    let ready_ranks = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT rank FROM (SELECT status, row_number() OVER (PARTITION BY ordering_key ORDER BY id) AS rank
+                               FROM almanac.jobs) AS r
+             WHERE status = 'ready' ORDER BY rank",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let held = || {
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'held'",
+        )
+    };
+    assert_eq!(ready_ranks().await, vec![1; KEYS as usize]);
+    assert_eq!(held().await, 2 * KEYS);
+
+    // An UPDATE that ends nothing (every row, its status untouched) releases nothing.
+    sqlx::query("UPDATE almanac.jobs SET max_attempts = max_attempts + 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ready_ranks().await, vec![1; KEYS as usize]);
+
+    // One statement cancels every head: each key's second job is next.
+    sqlx::query(
+        "UPDATE almanac.jobs SET status = 'cancelled', finished_at = now() WHERE status = 'ready'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(ready_ranks().await, vec![2; KEYS as usize]);
+    assert_eq!(held().await, KEYS);
+
+    // Dead heads halt their keys; one DELETE of them releases every key.
+    sqlx::query(
+        "UPDATE almanac.jobs SET status = 'dead', finished_at = now() WHERE status = 'ready'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(ready_ranks().await.is_empty(), "a dead head halts its key");
+    assert_eq!(held().await, KEYS);
+    sqlx::query("DELETE FROM almanac.jobs WHERE status = 'dead'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(held().await, 0);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'"
+        )
+        .await,
+        KEYS,
+        "the last job of every key is released"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.ordering_recheck").await,
+        0,
+        "no key was left to the reaper"
+    );
+}
