@@ -85,14 +85,20 @@ BEGIN
         RETURN NULL;
     END IF;
     IF TG_OP = 'UPDATE' THEN
-        SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
-        INTO v_kinds, v_keys
-        FROM (SELECT DISTINCT o.kind, o.ordering_key AS key
-              FROM ended_old AS o JOIN ended_new AS n ON n.id = o.id
-              WHERE o.ordering_key IS NOT NULL
-                AND o.status IN ('ready', 'running', 'dead', 'held')
-                AND n.status IN ('done', 'cancelled', 'dead')
-                AND n.status <> o.status) AS k;
+        -- EXECUTE: planned on every call. A plan kept for the session
+        -- would keep the first call's row counts (a claim of one job: a
+        -- nested loop), and a later statement of 20,000 rows on the same
+        -- connection would join them in 33 s instead of 0.15. (Rows are
+        -- paired by id: nothing changes a job's id.)
+        EXECUTE $q$
+            SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
+            FROM (SELECT DISTINCT o.kind, o.ordering_key AS key
+                  FROM ended_old AS o JOIN ended_new AS n ON n.id = o.id
+                  WHERE o.ordering_key IS NOT NULL
+                    AND o.status IN ('ready', 'running', 'dead', 'held')
+                    AND n.status IN ('done', 'cancelled', 'dead')
+                    AND n.status <> o.status) AS k $q$
+        INTO v_kinds, v_keys;
     ELSE
         SELECT array_agg(k.kind ORDER BY k.kind, k.key), array_agg(k.key ORDER BY k.kind, k.key)
         INTO v_kinds, v_keys
