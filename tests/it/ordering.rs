@@ -982,7 +982,11 @@ async fn a_big_statement_after_a_small_one_on_the_same_connection_stays_linear(p
     .expect("20,000 ordered jobs end in one statement within the timeout");
     assert_eq!(ended.rows_affected(), 20_000);
     assert_eq!(
-        count(&pool, "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'").await,
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.jobs WHERE status = 'ready'"
+        )
+        .await,
         200,
         "the next job of every key is released"
     );
