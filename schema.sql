@@ -603,6 +603,12 @@ BEGIN
         RETURN NULL;
     END IF;
     IF TG_OP = 'UPDATE' THEN
+        -- Claims, heartbeats and releases of ordered jobs end none.
+        IF NOT EXISTS (SELECT 1 FROM ended_new AS n
+                       WHERE n.ordering_key IS NOT NULL
+                         AND n.status IN ('done', 'cancelled', 'dead')) THEN
+            RETURN NULL;
+        END IF;
         -- EXECUTE: planned on every call. A plan kept for the session
         -- would keep the first call's row counts (a claim of one job: a
         -- nested loop), and a later statement of 20,000 rows on the same

@@ -16,8 +16,9 @@
 -- Transition tables cannot go with a column list (`UPDATE OF status`) or
 -- with two events, so there is one trigger for UPDATE and one for DELETE,
 -- and the UPDATE one fires for every UPDATE of jobs (heartbeats too): it
--- first looks for an old row with an ordering key and returns when there
--- is none (a scan of the statement's rows, as the counters make).
+-- first looks for an old row with an ordering key, and for a new one that
+-- ended, and returns when there is none (a scan of the statement's rows,
+-- as the counters make).
 SET LOCAL lock_timeout = '10s';
 
 CREATE OR REPLACE FUNCTION almanac.release_keys(p_kinds text[], p_keys text[]) RETURNS integer
@@ -85,6 +86,12 @@ BEGIN
         RETURN NULL;
     END IF;
     IF TG_OP = 'UPDATE' THEN
+        -- Claims, heartbeats and releases of ordered jobs end none.
+        IF NOT EXISTS (SELECT 1 FROM ended_new AS n
+                       WHERE n.ordering_key IS NOT NULL
+                         AND n.status IN ('done', 'cancelled', 'dead')) THEN
+            RETURN NULL;
+        END IF;
         -- EXECUTE: planned on every call. A plan kept for the session
         -- would keep the first call's row counts (a claim of one job: a
         -- nested loop), and a later statement of 20,000 rows on the same
