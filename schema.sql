@@ -605,8 +605,7 @@ BEGIN
     IF TG_OP = 'UPDATE' THEN
         -- Claims, heartbeats and releases of ordered jobs end none.
         IF NOT EXISTS (SELECT 1 FROM ended_new AS n
-                       WHERE n.ordering_key IS NOT NULL
-                         AND n.status IN ('done', 'cancelled', 'dead')) THEN
+                       WHERE n.status IN ('done', 'cancelled', 'dead')) THEN
             RETURN NULL;
         END IF;
         -- EXECUTE: planned on every call. A plan kept for the session

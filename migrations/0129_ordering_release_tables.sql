@@ -16,8 +16,8 @@
 -- Transition tables cannot go with a column list (`UPDATE OF status`) or
 -- with two events, so there is one trigger for UPDATE and one for DELETE,
 -- and the UPDATE one fires for every UPDATE of jobs (heartbeats too): it
--- first looks for an old row with an ordering key, and for a new one that
--- ended, and returns when there is none (a scan of the statement's rows,
+-- first looks for an old row with an ordering key, and for a new row that
+-- ended, and returns when either is missing (a scan of the statement's rows,
 -- as the counters make).
 SET LOCAL lock_timeout = '10s';
 
@@ -88,8 +88,7 @@ BEGIN
     IF TG_OP = 'UPDATE' THEN
         -- Claims, heartbeats and releases of ordered jobs end none.
         IF NOT EXISTS (SELECT 1 FROM ended_new AS n
-                       WHERE n.ordering_key IS NOT NULL
-                         AND n.status IN ('done', 'cancelled', 'dead')) THEN
+                       WHERE n.status IN ('done', 'cancelled', 'dead')) THEN
             RETURN NULL;
         END IF;
         -- EXECUTE: planned on every call. A plan kept for the session

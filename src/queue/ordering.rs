@@ -59,8 +59,8 @@
 //! (small) settings table at insert; the release's statement triggers,
 //! called once per UPDATE or DELETE on the jobs table, look through the
 //! statement's old rows for one with a key, find none and return (a scan
-//! of the statement's rows in memory, which PostgreSQL keeps for the
-//! counters' triggers anyway: microseconds per statement). A
+//! of the statement's rows, which PostgreSQL keeps for the counters'
+//! triggers anyway: microseconds for a batch of hundreds). A
 //! key's throughput is one job at a time, one round of claim (or relay,
 //! broker and consumer) per job; different keys run in parallel.
 //!

@@ -327,11 +327,23 @@ async fn every_execution_joins_its_enqueue_trace(pool: PgPool, mode: Mode) {
         // relay has published its copy; every copy is published anyway (a
         // published row is deleted by its mark, a failed one kept).
         eventually(
-            "every outbox row of a dual job published",
+            "every outbox row of a dual job published or failed",
             Duration::from_secs(120),
-            || async { count(&pool, "SELECT count(*) FROM almanac.outbox").await == 0 },
+            || async {
+                count(
+                    &pool,
+                    "SELECT count(*) FROM almanac.outbox WHERE failed_at IS NULL",
+                )
+                .await
+                    == 0
+            },
         )
         .await;
+        assert_eq!(
+            count(&pool, "SELECT count(*) FROM almanac.outbox").await,
+            0,
+            "no outbox row failed"
+        );
     }
     stop.cancel();
     for task in tasks {
