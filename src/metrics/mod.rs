@@ -117,6 +117,8 @@ pub struct Metrics {
     pub relay_published: Family<SinkLabel, Counter>,
     pub relay_failed: Family<SinkLabel, Counter>,
     pub scheduler_leader: Gauge,
+    /// 1 when the collector's last refresh read whole counters; from the database.
+    pub counts_whole: Gauge,
     pub scheduler_last_tick: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
@@ -305,6 +307,12 @@ impl Metrics {
             "1 while this process leads the scheduler, else 0",
             scheduler_leader.clone(),
         );
+        let counts_whole = Gauge::default();
+        registry.register(
+            "counts_whole",
+            "1 when the last refresh read the job counts from the counters (migration 0128); 0 when they were not whole (lost in a crash or failover, broken, on a standby) and the rows were counted",
+            counts_whole.clone(),
+        );
         let scheduler_last_tick = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register(
             "scheduler_last_tick_timestamp_seconds",
@@ -393,6 +401,7 @@ impl Metrics {
             relay_published,
             relay_failed,
             scheduler_leader,
+            counts_whole,
             scheduler_last_tick,
             schedule_runs,
             consumer_other_kind,

@@ -28,7 +28,8 @@
 //!   standby the table cannot be read: readers count there, and folds
 //!   skip. A TRUNCATE adds a `*` row of -1, so the counts are not whole
 //!   until the next fold (a delete could miss rows its snapshot does not
-//!   see; the -1 counts in any snapshot).
+//!   see; the -1 counts in any snapshot). The collector's
+//!   `almanac_counts_whole` gauge says which way its last read went.
 //! - **Limits.** A bulk load or delete with the count triggers disabled
 //!   (by name, `DISABLE TRIGGER ALL` or `USER`, `pg_restore
 //!   --disable-triggers`) that keeps every count non-negative goes unseen:

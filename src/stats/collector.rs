@@ -87,6 +87,7 @@ impl Collector {
     fn publish(&self, s: &Snapshot) {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let m = &self.metrics;
+        m.counts_whole.set(i64::from(s.jobs.done_exact));
         for schedule in &s.schedules {
             let label = ScheduleLabel {
                 schedule: schedule.name.clone(),

@@ -499,3 +499,41 @@ async fn stats_recount_repairs_a_load_no_fold_can_notice_and_the_reaper_folds(po
     );
     assert_eq!(counters(&pool).await, Some(counted(&pool).await));
 }
+
+/// `almanac_counts_whole` says when `/metrics`, `stats` and the dashboard
+/// count rows because the counters are not whole: 0 while a crash's loss
+/// cannot be rebuilt (here, another session holds the fold's lock), 1 once
+/// the collector's own fold has recounted.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_collector_says_when_the_counters_are_not_whole(pool: PgPool) {
+    use almanac::metrics::Metrics;
+    use almanac::role::{Periodic, Valid};
+    use almanac::stats::Collector;
+
+    use crate::harness::http::sample;
+
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("a"))
+        .await
+        .unwrap();
+    let metrics = Metrics::new();
+    let collector = Collector::new(pool.clone(), Valid::default()).with_metrics(metrics.clone());
+    let whole = || async {
+        collector.run_once(&CancellationToken::new()).await.unwrap();
+        sample(&metrics.render(), "almanac_counts_whole", &[])
+    };
+    assert_eq!(whole().await, Some(1.0), "the collector's fold counts");
+    // A crash empties the unlogged table; a fold cannot rebuild it while
+    // another session holds the folds' lock.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(1634495841, 1668248942)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("TRUNCATE almanac.counts")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(whole().await, Some(0.0), "counted around, and said so");
+    holder.rollback().await.unwrap();
+    assert_eq!(whole().await, Some(1.0), "rebuilt by the next refresh");
+}
