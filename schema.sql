@@ -192,6 +192,77 @@ END
 $$;
 
 
+SET default_tablespace = '';
+
+SET default_table_access_method = heap;
+
+--
+-- Name: jobs; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE TABLE almanac.jobs (
+    id bigint NOT NULL,
+    kind text NOT NULL,
+    payload jsonb DEFAULT '{}'::jsonb NOT NULL,
+    status text DEFAULT 'ready'::text NOT NULL,
+    run_at timestamp with time zone DEFAULT now() NOT NULL,
+    attempts integer DEFAULT 0 NOT NULL,
+    max_attempts integer DEFAULT 5 NOT NULL,
+    lease_token uuid,
+    lease_until timestamp with time zone,
+    idempotency_key text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    last_error text,
+    route text DEFAULT 'db'::text NOT NULL,
+    schedule text,
+    logical_run text,
+    cancel_requested_at timestamp with time zone,
+    cancelled_by text,
+    cancel_reason text,
+    priority smallint DEFAULT 0 NOT NULL,
+    ordering_key text,
+    traceparent text,
+    CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
+    CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
+    CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
+    CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
+    CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text])))
+)
+WITH (fillfactor='60');
+
+
+--
+-- Name: complete_claiming(bigint[], uuid[], bigint, text[]); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.complete_claiming(p_ids bigint[], p_tokens uuid[], p_lease_ms bigint, p_kinds text[]) RETURNS SETOF almanac.jobs
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_claimed text;
+BEGIN
+    PERFORM set_config('almanac.claimed_successors', '', true);
+    PERFORM set_config('almanac.claim_successors_kinds', p_kinds::text, true);
+    PERFORM set_config('almanac.claim_successors', p_lease_ms::text, true);
+    RETURN QUERY
+        WITH done AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
+            FROM unnest(p_ids, p_tokens) AS c(id, token)
+            WHERE j.id = c.id AND j.lease_token = c.token AND j.lease_until > clock_timestamp()
+            RETURNING j)
+        SELECT (jsonb_populate_record(done.j, '{"payload": {}}')).* FROM done;
+    PERFORM set_config('almanac.claim_successors', '', true);
+    v_claimed := current_setting('almanac.claimed_successors', true);
+    PERFORM set_config('almanac.claimed_successors', '', true);
+    IF coalesce(v_claimed, '') <> '' THEN
+        RETURN QUERY SELECT j.* FROM almanac.jobs AS j
+                     WHERE j.id = ANY (string_to_array(v_claimed, ',')::bigint[]);
+    END IF;
+END $$;
+
+
 --
 -- Name: counts_fold(boolean); Type: FUNCTION; Schema: almanac; Owner: -
 --
@@ -923,6 +994,9 @@ DECLARE
     v_kind text;
     v_n integer;
     v_released integer := 0;
+    v_lease text := current_setting('almanac.claim_successors', true);
+    v_worker_kinds text[];
+    v_claimed bigint[];
 BEGIN
     SELECT array_agg(h.id) INTO v_ids
     FROM unnest(p_kinds, p_keys) AS k(kind, key)
@@ -948,6 +1022,37 @@ BEGIN
         SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
         WHERE j.id = ANY (v_ids) AND j.id <> ALL (v_taken)
         ON CONFLICT DO NOTHING;
+    END IF;
+    IF coalesce(v_lease, '') <> '' THEN
+        v_worker_kinds := current_setting('almanac.claim_successors_kinds')::text[];
+    END IF;
+    IF coalesce(v_lease, '') <> ''
+       AND NOT EXISTS (SELECT 1 FROM unnest(v_worker_kinds) AS w(kind)
+                       WHERE EXISTS (SELECT 1 FROM almanac.jobs AS e
+                                     WHERE e.status = 'ready' AND e.kind = w.kind AND e.run_at <= now()
+                                       AND coalesce(e.route, '') <> 'broker')) THEN
+        WITH direct AS (
+            SELECT d.kind FROM (SELECT DISTINCT k.kind FROM unnest(p_kinds) AS k(kind)) AS d
+            WHERE coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = d.kind), 'db') = 'db'
+              AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses AS p WHERE p.kind IN (d.kind, '*'))
+              AND NOT EXISTS (SELECT 1 FROM almanac.kind_limits AS l WHERE l.kind = d.kind)
+              AND d.kind = ANY (v_worker_kinds)
+        ), claimed AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
+                lease_until = clock_timestamp() + v_lease::bigint * interval '1 millisecond',
+                route = 'db'
+            WHERE j.id = ANY (v_taken) AND j.kind IN (SELECT kind FROM direct) AND j.run_at <= now()
+            RETURNING j.id)
+        SELECT array_agg(claimed.id) INTO v_claimed FROM claimed;
+        IF v_claimed IS NOT NULL THEN
+            PERFORM set_config('almanac.claimed_successors',
+                               concat_ws(',', nullif(current_setting('almanac.claimed_successors', true), ''),
+                                         array_to_string(v_claimed, ',')),
+                               true);
+            v_released := cardinality(v_claimed);
+            v_taken := ARRAY(SELECT t.id FROM unnest(v_taken) AS t(id) WHERE t.id <> ALL (v_claimed));
+        END IF;
     END IF;
     FOR v_kind, v_n IN
         WITH released AS (
@@ -1060,46 +1165,6 @@ CREATE FUNCTION almanac.traceparent_ok(tp text) RETURNS boolean
             AND substr(tp, 4, 32) <> '00000000000000000000000000000000'
             AND substr(tp, 37, 16) <> '0000000000000000')
 $_$;
-
-
-SET default_tablespace = '';
-
-SET default_table_access_method = heap;
-
---
--- Name: jobs; Type: TABLE; Schema: almanac; Owner: -
---
-
-CREATE TABLE almanac.jobs (
-    id bigint NOT NULL,
-    kind text NOT NULL,
-    payload jsonb DEFAULT '{}'::jsonb NOT NULL,
-    status text DEFAULT 'ready'::text NOT NULL,
-    run_at timestamp with time zone DEFAULT now() NOT NULL,
-    attempts integer DEFAULT 0 NOT NULL,
-    max_attempts integer DEFAULT 5 NOT NULL,
-    lease_token uuid,
-    lease_until timestamp with time zone,
-    idempotency_key text,
-    created_at timestamp with time zone DEFAULT now() NOT NULL,
-    finished_at timestamp with time zone,
-    last_error text,
-    route text DEFAULT 'db'::text NOT NULL,
-    schedule text,
-    logical_run text,
-    cancel_requested_at timestamp with time zone,
-    cancelled_by text,
-    cancel_reason text,
-    priority smallint DEFAULT 0 NOT NULL,
-    ordering_key text,
-    traceparent text,
-    CONSTRAINT jobs_attempts_check CHECK ((attempts >= 0)),
-    CONSTRAINT jobs_check CHECK (((status = 'running'::text) = ((lease_token IS NOT NULL) AND (lease_until IS NOT NULL)))),
-    CONSTRAINT jobs_kind_check CHECK ((kind <> ''::text)),
-    CONSTRAINT jobs_max_attempts_check CHECK ((max_attempts > 0)),
-    CONSTRAINT jobs_route_check CHECK ((route = ANY (ARRAY['db'::text, 'dual'::text, 'broker'::text])))
-)
-WITH (fillfactor='60');
 
 
 --

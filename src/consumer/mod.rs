@@ -526,6 +526,7 @@ impl Role for Consumer {
             this.config.worker.clone(),
             this.metrics.clone(),
             this.tracer.clone(),
+            None,
         );
         // The broker loop stops taking messages on `stop`, then waits for the
         // jobs in hand; the executor's shutdown ends those within the deadline.

@@ -429,31 +429,78 @@ pub async fn complete_many(
     conn: &mut PgConnection,
     leases: &[(i64, Uuid)],
 ) -> Result<Written, QueueError> {
+    Ok(complete_batch(conn, leases, None).await?.0)
+}
+
+/// [`complete_many`], and the jobs its completions released ([`super::ordering`])
+/// claimed for the caller, a worker of `kinds`, under a lease of `lease`
+/// when its claim would take them anyway: no due job of those kinds waits
+/// (`almanac.complete_claiming`, migration 0130). At
+/// most one per completed job, so the caller runs each in the slot of the
+/// job whose completion released it. The claim's fence is the claim's: each
+/// gets a fresh lease token, and a statement that got no answer may have
+/// claimed jobs nobody runs, whose leases expire (as after a claim).
+pub async fn complete_many_claiming(
+    conn: &mut PgConnection,
+    leases: &[(i64, Uuid)],
+    lease: Duration,
+    kinds: &[String],
+) -> Result<(Written, Vec<Job>), QueueError> {
+    complete_batch(conn, leases, Some((lease, kinds))).await
+}
+
+async fn complete_batch(
+    conn: &mut PgConnection,
+    leases: &[(i64, Uuid)],
+    claiming: Option<(Duration, &[String])>,
+) -> Result<(Written, Vec<Job>), QueueError> {
     if leases.is_empty() {
-        return Ok(Written::default());
+        return Ok((Written::default(), Vec::new()));
     }
     let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
-    let plain = sqlx::query_scalar(
-        r#"
-        UPDATE almanac.jobs AS j
-        SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
-        FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
-        WHERE j.id = c.id AND j.lease_token = c.token
-          AND j.lease_until > clock_timestamp()
-        RETURNING j.id
-        "#,
-    )
-    .bind(&ids)
-    .bind(&tokens)
-    .fetch_all(&mut *conn)
-    .await;
-    match plain {
-        Ok(ids) => Ok(Written {
-            ids,
-            ..Written::default()
+    let plain = match claiming {
+        None => sqlx::query_scalar(
+            r#"
+            UPDATE almanac.jobs AS j
+            SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
+            FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+            WHERE j.id = c.id AND j.lease_token = c.token
+              AND j.lease_until > clock_timestamp()
+            RETURNING j.id
+            "#,
+        )
+        .bind(&ids)
+        .bind(&tokens)
+        .fetch_all(&mut *conn)
+        .await
+        .map(|ids| (ids, Vec::new())),
+        Some((lease, kinds)) => sqlx::query_as::<_, Job>(
+            "SELECT * FROM almanac.complete_claiming($1::bigint[], $2::uuid[], $3::bigint, $4::text[])",
+        )
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(millis(lease))
+        .bind(kinds)
+        .fetch_all(&mut *conn)
+        .await
+        .map(|rows| {
+            let (done, claimed): (Vec<Job>, Vec<Job>) =
+                rows.into_iter().partition(|j| j.status == JobStatus::Done);
+            (done.into_iter().map(|j| j.id).collect(), claimed)
         }),
+    };
+    match plain {
+        Ok((ids, claimed)) => Ok((
+            Written {
+                ids,
+                ..Written::default()
+            },
+            claimed,
+        )),
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-            skipping_locked(conn, COMPLETE_SKIPPING_LOCKED, &ids, &tokens, None).await
+            let written =
+                skipping_locked(conn, COMPLETE_SKIPPING_LOCKED, &ids, &tokens, None).await?;
+            Ok((written, Vec::new()))
         }
         Err(e) => Err(e.into()),
     }

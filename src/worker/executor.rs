@@ -172,6 +172,8 @@ impl Counters {
 struct Flight {
     token: Uuid,
     kind: String,
+    /// The job has an ordering key: its completion may release the next.
+    ordered: bool,
     attempt: i32,
     cancel: CancellationToken,
     /// An operator's cancel request, once this process learnt of it.
@@ -195,8 +197,8 @@ struct Flight {
     /// The attempt's `almanac.execute` span (tracing on), ended when the
     /// flight is settled, with its outcome.
     span: Option<Span>,
-    /// Freed when the flight is settled.
-    _slot: OwnedSemaphorePermit,
+    /// Freed when the flight is settled (or handed to a successor).
+    slot: OwnedSemaphorePermit,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -243,13 +245,36 @@ struct Inner {
     giving_up: CancellationToken,
     /// The grace after that passed too: handlers still running are dropped.
     kill: CancellationToken,
+    /// Completions claim the jobs they release for this executor's worker
+    /// ([`Successor`]); cleared when shutdown begins.
+    claiming: AtomicBool,
+}
+
+/// Outcome recorders, each on its own connection.
+const RECORDERS: usize = 2;
+
+/// Where a worker of `kinds` takes the jobs its completions claim.
+#[derive(Clone)]
+pub(crate) struct Successors {
+    pub to: mpsc::UnboundedSender<Successor>,
+    pub kinds: Vec<String>,
+}
+
+/// A job that a completion released and claimed for the worker that
+/// completed its predecessor (`queue::complete_many_claiming`), to run in
+/// the slot that predecessor held, under the lease the completion (sent at
+/// `sent`) took.
+pub(crate) struct Successor {
+    pub job: Job,
+    pub sent: Instant,
+    pub slot: OwnedSemaphorePermit,
 }
 
 struct State {
     closed: bool,
     tasks: JoinSet<()>,
     outcomes: Option<mpsc::UnboundedSender<Outcome>>,
-    recorder: Option<JoinHandle<()>>,
+    recorders: Vec<JoinHandle<()>>,
     heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
     /// The cancel listener ([`cancels`]); stops with the heartbeat.
     listener: Option<JoinHandle<()>>,
@@ -276,12 +301,17 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    /// Starts the heartbeat loop and the outcome recorder.
+    /// Starts the heartbeat loop and the outcome recorder. With
+    /// `successors`, completions claim the jobs they release when a claim by
+    /// this worker would take them anyway, and send them there to be run
+    /// ([`Executor::spawn`]); a worker passes it, a broker consumer (whose
+    /// jobs come as messages) does not.
     pub fn start(
         pool: PgPool,
         config: Valid<WorkerConfig>,
         metrics: Metrics,
         tracer: Tracer,
+        successors: Option<Successors>,
     ) -> Executor {
         let inner = Arc::new(Inner {
             pool,
@@ -294,9 +324,13 @@ impl Executor {
             counters: Counters::default(),
             giving_up: CancellationToken::new(),
             kill: CancellationToken::new(),
+            claiming: AtomicBool::new(successors.is_some()),
         });
         let (outcomes, rx) = mpsc::unbounded_channel();
-        let recorder = tokio::spawn(record(inner.clone(), rx));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let recorders: Vec<JoinHandle<()>> = (0..RECORDERS)
+            .map(|_| tokio::spawn(record(inner.clone(), rx.clone(), successors.clone())))
+            .collect();
         let stop = CancellationToken::new();
         let heartbeat = tokio::spawn(heartbeat(inner.clone(), stop.clone()));
         let listener = inner
@@ -309,7 +343,7 @@ impl Executor {
                 closed: false,
                 tasks: JoinSet::new(),
                 outcomes: Some(outcomes),
-                recorder: Some(recorder),
+                recorders,
                 heartbeat: Some((heartbeat, stop)),
                 listener,
             })),
@@ -379,6 +413,7 @@ impl Executor {
             Flight {
                 token,
                 kind: job.kind.clone(),
+                ordered: job.ordering_key.is_some(),
                 attempt: job.attempts,
                 cancel: cancel.clone(),
                 requested: None,
@@ -389,7 +424,7 @@ impl Executor {
                 returned: None,
                 reply: Some(reply),
                 span,
-                _slot: slot,
+                slot,
             },
         );
         if let Some(mut stale) = displaced {
@@ -457,12 +492,13 @@ impl Executor {
         let (mut tasks, recorder, heartbeat, listener) = {
             let mut state = self.state();
             state.closed = true;
+            self.inner.claiming.store(false, Ordering::Release);
             // Running tasks hold their own senders; the channel closes when
             // the last of them has sent its outcome.
             state.outcomes = None;
             (
                 std::mem::take(&mut state.tasks),
-                state.recorder.take(),
+                std::mem::take(&mut state.recorders),
                 state.heartbeat.take(),
                 state.listener.take(),
             )
@@ -493,7 +529,7 @@ impl Executor {
                 }
             }
         }
-        if let Some(recorder) = recorder {
+        for recorder in recorder {
             let _ = recorder.await;
         }
         if let Some((heartbeat, stop)) = heartbeat {
@@ -662,6 +698,17 @@ impl Inner {
 
     /// Ends a flight: counts its outcome, tells whoever waits, frees its slot.
     fn settle(&self, id: i64, token: Uuid, executed: Executed, detail: Option<&str>) {
+        drop(self.settle_keeping_slot(id, token, executed, detail));
+    }
+
+    /// [`Inner::settle`], handing back the flight's slot instead of freeing it.
+    fn settle_keeping_slot(
+        &self,
+        id: i64,
+        token: Uuid,
+        executed: Executed,
+        detail: Option<&str>,
+    ) -> Option<OwnedSemaphorePermit> {
         let removed = {
             let mut flights = self.flights();
             match flights.get(&id) {
@@ -669,9 +716,7 @@ impl Inner {
                 _ => None,
             }
         };
-        let Some(mut flight) = removed else {
-            return;
-        };
+        let mut flight = removed?;
         let request = flight.requested.as_ref().map(ToString::to_string);
         if let (Some(request), Executed::Completed) = (&request, executed) {
             info!(
@@ -703,6 +748,7 @@ impl Inner {
         if let Some(reply) = flight.reply.take() {
             let _ = reply.send(executed);
         }
+        Some(flight.slot)
     }
 }
 

@@ -12,7 +12,7 @@ use tokio::time::{sleep, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::executor::{Executor, WorkerReport};
+use super::executor::{Executor, Successor, Successors, WorkerReport};
 use super::{Handler, WorkerConfig};
 use crate::db;
 use crate::metrics::Metrics;
@@ -30,7 +30,27 @@ pub(super) async fn run(
 ) -> WorkerReport {
     let mut kinds: Vec<String> = handlers.keys().cloned().collect();
     kinds.sort();
-    let executor = Executor::start(pool.clone(), config.clone(), metrics, tracer);
+    let (successors, handed) = tokio::sync::mpsc::unbounded_channel();
+    let executor = Executor::start(
+        pool.clone(),
+        config.clone(),
+        metrics,
+        tracer,
+        Some(Successors {
+            to: successors,
+            kinds: kinds.clone(),
+        }),
+    );
+    let handlers = Arc::new(handlers);
+    // Jobs that our completions claimed as they released them (the next of
+    // an ordering key): run at once, in the slot their predecessor held.
+    // Aborted with this future (an embedding application's timeout), so
+    // it does not keep the executor, and its heartbeats, alive.
+    let mut chained = AbortOnDrop(tokio::spawn(run_successors(
+        executor.clone(),
+        handlers.clone(),
+        handed,
+    )));
     let wake = Arc::new(Notify::new());
     let listen_stop = CancellationToken::new();
     let listener = config.listen.then(|| {
@@ -153,7 +173,11 @@ pub(super) async fn run(
         }
     }
 
-    let report = executor.shutdown().await;
+    executor.shutdown().await;
+    // The recorder has stopped, and with it the successors' channel; what
+    // was still in it was given back, and is in the report.
+    let _ = (&mut chained.0).await;
+    let report = executor.report();
     listen_stop.cancel();
     if let Some(listener) = listener {
         let _ = listener.await;
@@ -209,6 +233,36 @@ async fn listen(pool: PgPool, kinds: Vec<String>, wake: Arc<Notify>, stop: Cance
                     }
                 },
             }
+        }
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs the jobs our completions claimed ([`Successor`]) as the claim loop
+/// runs its own; after shutdown began they are given back unrun.
+async fn run_successors(
+    executor: Executor,
+    handlers: Arc<HashMap<String, Arc<dyn Handler>>>,
+    mut handed: tokio::sync::mpsc::UnboundedReceiver<Successor>,
+) {
+    while let Some(Successor { job, sent, slot }) = handed.recv().await {
+        let Some(handler) = handlers.get(&job.kind).cloned() else {
+            // Not possible: a successor is of the kind of a job this worker
+            // ran. Given back rather than dropped, should it ever be.
+            drop(slot);
+            executor.release_unstarted(Box::new(job)).await;
+            continue;
+        };
+        if let Err(job) = executor.spawn(job, sent, handler, slot, None) {
+            executor.release_unstarted(job).await;
         }
     }
 }

@@ -40,6 +40,7 @@ mod limits_cli;
 mod migration;
 mod ops;
 mod ordering;
+mod ordering_chain;
 mod pause;
 mod priority;
 mod queue;

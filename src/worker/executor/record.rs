@@ -7,12 +7,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use std::sync::atomic::Ordering;
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::time::{sleep, Instant};
 use tracing::{debug, error, warn};
 use uuid::Uuid;
 
-use super::{bounded, Executed, Inner, Unanswered};
+use super::{bounded, Executed, Inner, Successor, Successors, Unanswered};
 use crate::db;
 use crate::queue::{self, Failure, Fenced, JobStatus, QueueError};
 
@@ -39,7 +41,11 @@ pub(super) struct Outcome {
 
 /// Records outcomes: batches, retried through blips until each job's local
 /// lease deadline.
-pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Outcome>) {
+pub(super) async fn record(
+    inner: Arc<Inner>,
+    rx: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Outcome>>>,
+    successors: Option<Successors>,
+) {
     const MAX_BATCH: usize = 512;
     let mut pending = Vec::with_capacity(MAX_BATCH);
     let mut open = true;
@@ -55,14 +61,18 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
         (inner.config.lease / 3).max(Duration::from_millis(50)),
     );
     loop {
-        if pending.is_empty() && (!open || rx.recv_many(&mut pending, MAX_BATCH).await == 0) {
+        if pending.is_empty()
+            && (!open || rx.lock().await.recv_many(&mut pending, MAX_BATCH).await == 0)
+        {
             return;
         }
         inner.give_up_expired(&mut pending);
         if pending.is_empty() {
             continue;
         }
-        inner.write(&mut link, &mut pending).await;
+        inner
+            .write(&mut link, &mut pending, successors.as_ref())
+            .await;
         if pending.is_empty() {
             retry.succeeded();
             continue;
@@ -77,7 +87,7 @@ pub(super) async fn record(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<Ou
         if open {
             tokio::select! {
                 _ = sleep(pause) => {}
-                received = rx.recv_many(&mut pending, MAX_BATCH) => open = received > 0,
+                received = async { rx.lock().await.recv_many(&mut pending, MAX_BATCH).await } => open = received > 0,
             }
         } else {
             sleep(pause).await;
@@ -108,7 +118,12 @@ impl Inner {
     }
 
     /// One try at every pending write; what could not be written stays pending.
-    async fn write(&self, link: &mut db::Held, pending: &mut Vec<Outcome>) {
+    async fn write(
+        &self,
+        link: &mut db::Held,
+        pending: &mut Vec<Outcome>,
+        successors: Option<&Successors>,
+    ) {
         let within = self.config.lease / 3;
         let batch = std::mem::take(pending);
         let (completes, rest): (Vec<Outcome>, Vec<Outcome>) = batch
@@ -124,13 +139,48 @@ impl Inner {
 
         if !completes.is_empty() {
             let leases: Vec<(i64, Uuid)> = completes.iter().map(|o| (o.id, o.token)).collect();
-            match bounded(within, on(link, |c| queue::complete_many(c, &leases))).await {
-                Ok(written) => {
+            // Released successors are claimed for this worker only while it
+            // takes jobs (not once its shutdown began), and only by a batch
+            // that can release any (the plain statement is cheaper).
+            let claiming = successors.filter(|_| {
+                self.claiming.load(Ordering::Acquire) && {
+                    let flights = self.flights();
+                    completes.iter().any(|o| {
+                        flights
+                            .get(&o.id)
+                            .is_some_and(|f| f.token == o.token && f.ordered)
+                    })
+                }
+            });
+            let lease = self.config.lease;
+            let sent = Instant::now();
+            let completed = match claiming {
+                Some(to) => {
+                    bounded(
+                        within,
+                        on(link, |c| {
+                            queue::complete_many_claiming(c, &leases, lease, &to.kinds)
+                        }),
+                    )
+                    .await
+                }
+                None => bounded(within, on(link, |c| queue::complete_many(c, &leases)))
+                    .await
+                    .map(|written| (written, Vec::new())),
+            };
+            match completed {
+                Ok((written, claimed)) => {
                     let held: HashSet<i64> = written.ids.into_iter().collect();
                     let busy: HashSet<i64> = written.busy.into_iter().collect();
+                    let mut slots = Vec::new();
                     for o in completes {
                         if held.contains(&o.id) {
-                            self.settle(o.id, o.token, Executed::Completed, None);
+                            slots.extend(self.settle_keeping_slot(
+                                o.id,
+                                o.token,
+                                Executed::Completed,
+                                None,
+                            ));
                         } else if busy.contains(&o.id) {
                             // Its row was held by another transaction: the
                             // next round tries again, as after a blip.
@@ -138,6 +188,9 @@ impl Inner {
                         } else {
                             unsure.push(o);
                         }
+                    }
+                    if !claimed.is_empty() {
+                        self.hand_over(claimed, sent, slots, claiming);
                     }
                 }
                 Err(err) => {
@@ -220,6 +273,57 @@ impl Inner {
         }
 
         self.settle_unsure(link, unsure).await;
+    }
+
+    /// Hands the successors a completion claimed to the worker, each in the
+    /// slot of a job that completion settled (it released at most one per
+    /// completed job). One that cannot be handed over (no slot left, or the
+    /// worker stopped taking them) is given back unrun, its attempt
+    /// restored; if that fails, its lease expires.
+    fn hand_over(
+        &self,
+        claimed: Vec<queue::Job>,
+        sent: Instant,
+        mut slots: Vec<OwnedSemaphorePermit>,
+        to: Option<&Successors>,
+    ) {
+        let mut unrun = Vec::new();
+        for job in claimed {
+            let Some(slot) = slots.pop() else {
+                unrun.push(job);
+                continue;
+            };
+            let Some(to) = to else {
+                unrun.push(job);
+                continue;
+            };
+            if let Err(refused) = to.to.send(Successor { job, sent, slot }) {
+                unrun.push(refused.0.job);
+            }
+        }
+        if unrun.is_empty() {
+            return;
+        }
+        warn!(
+            jobs = unrun.len(),
+            "jobs claimed by a completion could not be handed to the worker; giving them back"
+        );
+        let pool = self.pool.clone();
+        let within = self.config.lease / 3;
+        tokio::spawn(async move {
+            for job in unrun {
+                let token = job.lease_token.expect("a claimed job holds a lease");
+                if !matches!(
+                    bounded(within, queue::unclaim(&pool, job.id, token)).await,
+                    Ok(true)
+                ) {
+                    warn!(
+                        job_id = job.id,
+                        "could not give back a job claimed by a completion; its lease will expire"
+                    );
+                }
+            }
+        });
     }
 
     fn unwritten(

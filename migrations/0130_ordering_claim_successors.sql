@@ -1,0 +1,147 @@
+-- Order per key (issue #24 item 2): the worker whose completion frees a
+-- key's next job takes that job itself, in the same statement.
+--
+-- Until now a completion moved each released successor `held -> ready` and
+-- notified, and the worker's next claim walked the ready index to move it
+-- `ready -> running`: two writes of the row and a second statement per job
+-- of a key, one after the other, which kept ordered kinds at about a third
+-- of the unordered throughput (docs/speed.md).
+--
+-- `almanac.complete_claiming` is the batched completion with one more
+-- step: while its UPDATE's statement trigger releases the keys it ended,
+-- the setting `almanac.claim_successors` (the lease in milliseconds) lets
+-- `release_keys` claim a released job at once (`held -> running`, the
+-- claim's own write: one more attempt, a fresh lease token and lease)
+-- when a claim by that worker would take it anyway:
+--
+-- - its kind is routed to `db` (a dual or broker kind's job gets its
+--   outbox row on the way to `ready`), not paused, and has no limits
+--   (a limited kind's claims go through its budget);
+-- - it is due;
+-- - no due ready job of any kind the worker runs waits (its claim would
+--   weigh that one first): so a worker chaining the keys it holds never
+--   passes a job that waits, of another key or another kind. (Conservative:
+--   a due job that the claim would not take, paused or over a limit, also
+--   sends released jobs the usual way.)
+--
+-- Every other released job goes `held -> ready` and is notified, as before.
+-- The claimed ids are handed back through a transaction-local setting and
+-- returned beside the completed rows (told apart by status: `done` or
+-- `running`). The caller has a slot for each: a key releases at most one
+-- job, and only keys that the statement's completions ended are released.
+SET LOCAL lock_timeout = '10s';
+
+CREATE OR REPLACE FUNCTION almanac.release_keys(p_kinds text[], p_keys text[]) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_ids bigint[];
+    v_taken bigint[];
+    v_kind text;
+    v_n integer;
+    v_released integer := 0;
+    v_lease text := current_setting('almanac.claim_successors', true);
+    v_worker_kinds text[];
+    v_claimed bigint[];
+BEGIN
+    SELECT array_agg(h.id) INTO v_ids
+    FROM unnest(p_kinds, p_keys) AS k(kind, key)
+    CROSS JOIN LATERAL (
+        SELECT j.id FROM almanac.jobs AS j
+        WHERE j.kind = k.kind AND j.ordering_key = k.key AND j.status = 'held'
+        ORDER BY j.id LIMIT 1) AS h
+    WHERE (SELECT 1 FROM almanac.jobs AS b
+           WHERE b.kind = k.kind AND b.ordering_key = k.key
+             AND b.status IN ('ready', 'running', 'dead')
+             AND (b.status <> 'dead'
+                  OR coalesce((SELECT o.on_dead = 'halt' FROM almanac.kind_ordering AS o
+                               WHERE o.kind = k.kind), false))
+           LIMIT 1) IS NULL;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    v_taken := ARRAY(SELECT j.id FROM almanac.jobs AS j
+                     WHERE j.id = ANY (v_ids) AND j.status = 'held'
+                     ORDER BY j.id FOR UPDATE SKIP LOCKED);
+    IF cardinality(v_taken) < cardinality(v_ids) THEN
+        INSERT INTO almanac.ordering_recheck (kind, ordering_key)
+        SELECT DISTINCT j.kind, j.ordering_key FROM almanac.jobs AS j
+        WHERE j.id = ANY (v_ids) AND j.id <> ALL (v_taken)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    IF coalesce(v_lease, '') <> '' THEN
+        v_worker_kinds := current_setting('almanac.claim_successors_kinds')::text[];
+    END IF;
+    IF coalesce(v_lease, '') <> ''
+       AND NOT EXISTS (SELECT 1 FROM unnest(v_worker_kinds) AS w(kind)
+                       WHERE EXISTS (SELECT 1 FROM almanac.jobs AS e
+                                     WHERE e.status = 'ready' AND e.kind = w.kind AND e.run_at <= now()
+                                       AND coalesce(e.route, '') <> 'broker')) THEN
+        WITH direct AS (
+            SELECT d.kind FROM (SELECT DISTINCT k.kind FROM unnest(p_kinds) AS k(kind)) AS d
+            WHERE coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = d.kind), 'db') = 'db'
+              AND NOT EXISTS (SELECT 1 FROM almanac.kind_pauses AS p WHERE p.kind IN (d.kind, '*'))
+              AND NOT EXISTS (SELECT 1 FROM almanac.kind_limits AS l WHERE l.kind = d.kind)
+              AND d.kind = ANY (v_worker_kinds)
+        ), claimed AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
+                lease_until = clock_timestamp() + v_lease::bigint * interval '1 millisecond',
+                route = 'db'
+            WHERE j.id = ANY (v_taken) AND j.kind IN (SELECT kind FROM direct) AND j.run_at <= now()
+            RETURNING j.id)
+        SELECT array_agg(claimed.id) INTO v_claimed FROM claimed;
+        IF v_claimed IS NOT NULL THEN
+            PERFORM set_config('almanac.claimed_successors',
+                               concat_ws(',', nullif(current_setting('almanac.claimed_successors', true), ''),
+                                         array_to_string(v_claimed, ',')),
+                               true);
+            v_released := cardinality(v_claimed);
+            v_taken := ARRAY(SELECT t.id FROM unnest(v_taken) AS t(id) WHERE t.id <> ALL (v_claimed));
+        END IF;
+    END IF;
+    FOR v_kind, v_n IN
+        WITH released AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'ready',
+                route = coalesce((SELECT rt.mode FROM almanac.routes AS rt WHERE rt.kind = j.kind), 'db')
+            WHERE j.id = ANY (v_taken)
+            RETURNING j.kind)
+        SELECT released.kind, count(*)::integer FROM released GROUP BY released.kind
+    LOOP
+        v_released := v_released + v_n;
+        PERFORM pg_notify('almanac_jobs', v_kind);
+    END LOOP;
+    RETURN v_released;
+END $$;
+
+-- The batched completion of `queue::complete_many`, claiming the released
+-- successors for the caller, a worker of `p_kinds`, under a lease of
+-- `p_lease_ms` (see above).
+-- Returns the completed rows (status `done`, payload `{}`: the caller has
+-- it) and the claimed ones (status `running`, whole).
+CREATE FUNCTION almanac.complete_claiming(p_ids bigint[], p_tokens uuid[], p_lease_ms bigint,
+                                          p_kinds text[])
+RETURNS SETOF almanac.jobs
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claimed text;
+BEGIN
+    PERFORM set_config('almanac.claimed_successors', '', true);
+    PERFORM set_config('almanac.claim_successors_kinds', p_kinds::text, true);
+    PERFORM set_config('almanac.claim_successors', p_lease_ms::text, true);
+    RETURN QUERY
+        WITH done AS (
+            UPDATE almanac.jobs AS j
+            SET status = 'done', lease_token = NULL, lease_until = NULL, finished_at = clock_timestamp()
+            FROM unnest(p_ids, p_tokens) AS c(id, token)
+            WHERE j.id = c.id AND j.lease_token = c.token AND j.lease_until > clock_timestamp()
+            RETURNING j)
+        SELECT (jsonb_populate_record(done.j, '{"payload": {}}')).* FROM done;
+    PERFORM set_config('almanac.claim_successors', '', true);
+    v_claimed := current_setting('almanac.claimed_successors', true);
+    PERFORM set_config('almanac.claimed_successors', '', true);
+    IF coalesce(v_claimed, '') <> '' THEN
+        RETURN QUERY SELECT j.* FROM almanac.jobs AS j
+                     WHERE j.id = ANY (string_to_array(v_claimed, ',')::bigint[]);
+    END IF;
+END $$;

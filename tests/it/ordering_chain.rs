@@ -1,0 +1,224 @@
+//! A completion that frees a key's next job claims it for the completing
+//! worker (migration 0130, `queue::complete_many_claiming`) only when that
+//! worker's own claim would take it anyway: its kind on the `db` route, not
+//! paused, without limits, the job due, and no due job of the worker's
+//! kinds waiting. Otherwise the job becomes `ready` as before. A claimed
+//! job carries the claim's fence: running, one attempt more, its own lease.
+
+use std::time::Duration;
+
+use almanac::control::{limits as limit_control, ordering as control, pause, Actor};
+use almanac::queue::limits::Limits;
+use almanac::queue::ordering::OnDead;
+use almanac::queue::{self, Claim, Job, JobStatus, NewJob};
+use almanac::relay::routes::{self, RouteMode};
+use almanac::relay::SinkKind;
+use serde_json::json;
+use sqlx::PgPool;
+
+const KIND: &str = "chained";
+const OTHER: &str = "other";
+const LEASE: Duration = Duration::from_secs(30);
+
+async fn enqueue(pool: &PgPool, kind: &str, key: &str) -> i64 {
+    let job = NewJob::new(kind).payload(json!({ "k": key }));
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &job)
+        .await
+        .unwrap()
+        .id()
+}
+
+async fn claim(pool: &PgPool, kinds: &[&str], n: i64) -> Vec<(i64, uuid::Uuid)> {
+    let kinds: Vec<String> = kinds.iter().map(|k| k.to_string()).collect();
+    let mut claimed: Vec<(i64, uuid::Uuid)> = queue::claim(
+        pool,
+        &Claim {
+            kinds: &kinds,
+            limit: n,
+            lease: LEASE,
+        },
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|j| j.lease().unwrap())
+    .collect();
+    claimed.sort();
+    claimed
+}
+
+/// Completes `leases` as a worker of `kinds` does; the completed ids and
+/// the jobs claimed on the way.
+async fn complete(
+    pool: &PgPool,
+    leases: &[(i64, uuid::Uuid)],
+    kinds: &[&str],
+) -> (Vec<i64>, Vec<Job>) {
+    let kinds: Vec<String> = kinds.iter().map(|k| k.to_string()).collect();
+    let mut conn = pool.acquire().await.unwrap();
+    let (written, claimed) = queue::complete_many_claiming(&mut conn, leases, LEASE, &kinds)
+        .await
+        .unwrap();
+    let mut ids = written.ids;
+    ids.sort();
+    (ids, claimed)
+}
+
+async fn status(pool: &PgPool, id: i64) -> JobStatus {
+    queue::get(pool, id).await.unwrap().status
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_completion_claims_the_next_job_of_its_key_only_when_nothing_waits(pool: PgPool) {
+    let actor = Actor::os_user();
+    let mut conn = pool.acquire().await.unwrap();
+    control::set(&mut conn, &actor, KIND, Some("/k"), OnDead::Halt)
+        .await
+        .unwrap();
+    let a1 = enqueue(&pool, KIND, "a").await;
+    let a2 = enqueue(&pool, KIND, "a").await;
+    let a3 = enqueue(&pool, KIND, "a").await;
+    let b1 = enqueue(&pool, KIND, "b").await;
+
+    // b1 waits, due: a2 is not claimed past it, it becomes ready.
+    let first = claim(&pool, &[KIND], 1).await;
+    assert_eq!(first.iter().map(|l| l.0).collect::<Vec<_>>(), vec![a1]);
+    let (done, claimed) = complete(&pool, &first, &[KIND]).await;
+    assert_eq!(done, vec![a1]);
+    assert!(claimed.is_empty(), "nothing is claimed past a waiting job");
+    assert_eq!(status(&pool, a2).await, JobStatus::Ready);
+    assert_eq!(status(&pool, a3).await, JobStatus::Held);
+
+    // Nothing waits: the completion of a2 claims a3 under a fresh lease.
+    let second = claim(&pool, &[KIND], 2).await;
+    assert_eq!(second.iter().map(|l| l.0).collect::<Vec<_>>(), vec![a2, b1]);
+    let (done, claimed) = complete(&pool, &second, &[KIND]).await;
+    assert_eq!(done, vec![a2, b1]);
+    assert_eq!(claimed.len(), 1, "one job released, one claimed");
+    let next = &claimed[0];
+    assert_eq!(next.id, a3);
+    assert_eq!(next.status, JobStatus::Running);
+    assert_eq!(next.attempts, 1);
+    assert_eq!(
+        next.payload,
+        json!({ "k": "a" }),
+        "the claimed job is whole"
+    );
+    let stored = queue::get(&pool, a3).await.unwrap();
+    assert_eq!(stored.status, JobStatus::Running);
+    assert_eq!(stored.lease_token, next.lease_token);
+    assert!(stored.lease_until.unwrap() > chrono::Utc::now() + chrono::Duration::seconds(20));
+    // Its lease is a lease: the fence takes its token, and only its token.
+    let (done, claimed) = complete(&pool, &[(a3, uuid::Uuid::new_v4())], &[KIND]).await;
+    assert!(done.is_empty() && claimed.is_empty());
+    let (done, claimed) = complete(&pool, &[next.lease().unwrap()], &[KIND]).await;
+    assert_eq!(done, vec![a3]);
+    assert!(claimed.is_empty());
+    assert_eq!(status(&pool, a3).await, JobStatus::Done);
+
+    // A due job of another kind the worker runs waits: not passed either.
+    let c1 = enqueue(&pool, KIND, "c").await;
+    let c2 = enqueue(&pool, KIND, "c").await;
+    let o1 = enqueue(&pool, OTHER, "-").await;
+    let head = claim(&pool, &[KIND], 1).await;
+    assert_eq!(head.iter().map(|l| l.0).collect::<Vec<_>>(), vec![c1]);
+    let (_, claimed) = complete(&pool, &head, &[KIND, OTHER]).await;
+    assert!(claimed.is_empty());
+    assert_eq!(status(&pool, c2).await, JobStatus::Ready);
+    // A worker without that kind does not weigh its jobs.
+    let c3 = enqueue(&pool, KIND, "c").await;
+    let head = claim(&pool, &[KIND], 1).await;
+    assert_eq!(head.iter().map(|l| l.0).collect::<Vec<_>>(), vec![c2]);
+    let (_, claimed) = complete(&pool, &head, &[KIND]).await;
+    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![c3]);
+    assert_eq!(status(&pool, o1).await, JobStatus::Ready);
+}
+
+/// An ordered kind `kind` with two jobs of one key, the first claimed
+/// (`ready` and due unless `later`): its lease and the second's id.
+async fn two_of_a_key(pool: &PgPool, kind: &str, later: bool) -> ((i64, uuid::Uuid), i64) {
+    let mut conn = pool.acquire().await.unwrap();
+    control::set(&mut conn, &Actor::os_user(), kind, Some("/k"), OnDead::Halt)
+        .await
+        .unwrap();
+    let first = enqueue(pool, kind, "x").await;
+    let mut second = NewJob::new(kind).payload(json!({ "k": "x" }));
+    if later {
+        second = second.run_at(chrono::Utc::now() + chrono::Duration::hours(1));
+    }
+    let second = queue::enqueue(&mut conn, &second).await.unwrap().id();
+    let head = claim(pool, &[kind], 1).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(head[0].0, first);
+    (head[0], second)
+}
+
+/// Completes `lease` as a worker of `kind`: what it claimed, and the
+/// status of `next` then.
+async fn end(pool: &PgPool, kind: &str, lease: (i64, uuid::Uuid), next: i64) -> (usize, JobStatus) {
+    let (done, claimed) = complete(pool, &[lease], &[kind]).await;
+    assert_eq!(done, vec![lease.0]);
+    (claimed.len(), status(pool, next).await)
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_paused_limited_rerouted_or_future_successor_is_released_not_claimed(pool: PgPool) {
+    let actor = Actor::os_user();
+    let mut conn = pool.acquire().await.unwrap();
+
+    // The control: nothing in the way, the next job is claimed.
+    let (head, next) = two_of_a_key(&pool, "plain", false).await;
+    assert_eq!(
+        end(&pool, "plain", head, next).await,
+        (1, JobStatus::Running)
+    );
+
+    // Paused while its head ran.
+    let (head, next) = two_of_a_key(&pool, "paused", false).await;
+    pause::pause(&mut conn, &actor, "paused", None)
+        .await
+        .unwrap();
+    assert_eq!(
+        end(&pool, "paused", head, next).await,
+        (0, JobStatus::Ready)
+    );
+
+    // With limits: the claim's budget decides.
+    let (head, next) = two_of_a_key(&pool, "limited", false).await;
+    let limits = Limits {
+        global: Some(10),
+        per_key: None,
+        rate: None,
+        burst: 0,
+    };
+    limit_control::set(&mut conn, &actor, "limited", &limits)
+        .await
+        .unwrap();
+    assert_eq!(
+        end(&pool, "limited", head, next).await,
+        (0, JobStatus::Ready)
+    );
+
+    // Routed to dual: the next job takes its outbox row on its way to ready.
+    let (head, next) = two_of_a_key(&pool, "dual", false).await;
+    routes::set(
+        &mut conn,
+        "dual",
+        RouteMode::Dual,
+        Some(SinkKind::Rabbitmq),
+        Some("chained"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(end(&pool, "dual", head, next).await, (0, JobStatus::Ready));
+    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.outbox WHERE job_id = $1")
+        .bind(next)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(outbox, 1, "the released dual job has its outbox row");
+
+    // Due later: released, not started early.
+    let (head, next) = two_of_a_key(&pool, "later", true).await;
+    assert_eq!(end(&pool, "later", head, next).await, (0, JobStatus::Ready));
+}
