@@ -39,6 +39,13 @@
 //!   kind's lock), the key is noted in `almanac.ordering_recheck` and the
 //!   reaper releases it at its next sweep ([`recheck`]), so a worker's
 //!   batch of completions is never held up for long by a client.
+//! - *Taken at once.* A worker's batch of completions
+//!   ([`super::complete_many_claiming`], migration 0130) claims a key's
+//!   released job for itself instead (`held -> running`, the claim's fence)
+//!   when its claim would take that job anyway (db route, not paused, no
+//!   limits, due, and no due job of the worker's kinds waiting `ready`).
+//!   The order is the release's: the job is the key's next, and nothing
+//!   stands before it.
 //! - *Retry, cancel.* An operator's retry makes the job `held` and releases
 //!   its key: it runs after the key's current job and before the later
 //!   ones. A cancel of a held job ends it at once (and its key is released,

@@ -4,6 +4,10 @@
 //! - **Slots.** At most `concurrency` jobs are in flight; a slot is taken
 //!   before a job is claimed and given back only once its outcome is recorded
 //!   (or given up), so a process never holds more leases than it can serve.
+//!   A job that a completion claimed ([`Successor`]: the next of an ordering
+//!   key) takes the slot of the completed job that released it, handed over
+//!   without being freed; a completion releases at most one job per job it
+//!   completed.
 //! - **One heartbeat loop** renews every lease in flight, outcomes still being
 //!   written included, in one statement every `lease / 3`. A lease the
 //!   database no longer grants is lost: the handler's
@@ -250,7 +254,9 @@ struct Inner {
     claiming: AtomicBool,
 }
 
-/// Outcome recorders, each on its own connection.
+/// Outcome recorders, each on its own connection ([`record`]'s module):
+/// with two, the ordering figure of `almanac bench` went from 0.30-0.33 to
+/// 0.42-0.43 (with completions claiming successors; neither alone moved it).
 const RECORDERS: usize = 2;
 
 /// Where a worker of `kinds` takes the jobs its completions claim.
@@ -301,7 +307,7 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    /// Starts the heartbeat loop and the outcome recorder. With
+    /// Starts the heartbeat loop and the outcome recorders. With
     /// `successors`, completions claim the jobs they release when a claim by
     /// this worker would take them anyway, and send them there to be run
     /// ([`Executor::spawn`]); a worker passes it, a broker consumer (whose

@@ -1,13 +1,16 @@
-//! The outcome recorder: one task that writes every outcome through the
-//! fence, completions and releases in batches, retried through blips with the
-//! same lease token until each job's local lease deadline (see the parent
-//! module's doc).
+//! The outcome recorders: tasks that write every outcome through the fence,
+//! completions and releases in batches, retried through blips with the same
+//! lease token until each job's local lease deadline (see the parent
+//! module's doc). Two share the outcomes, each on its own connection: while
+//! one writes a batch the other gathers the next, so a worker whose jobs
+//! come one completion after another (ordered keys, whose next job a
+//! completion claims) has two statements in flight, not one. Each outcome
+//! is taken by one of them, so what is said below holds per outcome.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-
-use std::sync::atomic::Ordering;
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::time::{sleep, Instant};
