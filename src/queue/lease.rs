@@ -719,6 +719,41 @@ pub async fn unclaim<'e>(
     Ok(unclaimed.rows_affected() == 1)
 }
 
+/// Gives back, as [`unclaim`] does, the jobs that completions of the leases
+/// `completed` claimed ([`complete_many_claiming`]) when the completions'
+/// answer was lost: nobody runs them, and their leases would otherwise
+/// hold their keys, and cost them an attempt, until the reaper took them
+/// back. Such a job's token is derived from its predecessor's (migration
+/// 0130); the kinds given back are notified. Returns how many.
+pub async fn unclaim_successors<'e>(
+    db: impl PgExecutor<'e>,
+    completed: &[Uuid],
+) -> Result<u64, QueueError> {
+    let (given, _notified): (i64, i64) = sqlx::query_as(
+        r#"
+        WITH given AS (
+            UPDATE almanac.jobs
+            SET status = CASE WHEN cancel_requested_at IS NULL THEN 'ready' ELSE 'cancelled' END,
+                attempts = greatest(attempts - 1, 0),
+                run_at = CASE WHEN cancel_requested_at IS NULL THEN clock_timestamp() ELSE run_at END,
+                finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
+                route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL
+            WHERE status = 'running'
+              AND lease_token = ANY (ARRAY(SELECT md5(t::text || ':next')::uuid
+                                           FROM unnest($1::uuid[]) AS t))
+            RETURNING kind
+        ), told AS (
+            SELECT pg_notify('almanac_jobs', d.kind) FROM (SELECT DISTINCT kind FROM given) AS d
+        )
+        SELECT (SELECT count(*) FROM given), (SELECT count(*) FROM told)
+        "#,
+    )
+    .bind(completed)
+    .fetch_one(db)
+    .await?;
+    Ok(u64::try_from(given).unwrap_or(0))
+}
+
 /// The current status of each job that exists among `ids`: how the executor
 /// tells whether a write whose answer was lost had committed.
 pub async fn statuses<'e>(

@@ -251,7 +251,7 @@ struct Inner {
     kill: CancellationToken,
     /// Completions claim the jobs they release for this executor's worker
     /// ([`Successor`]); cleared when shutdown begins.
-    claiming: AtomicBool,
+    claiming: Arc<AtomicBool>,
 }
 
 /// Outcome recorders, each on its own connection ([`record`]'s module):
@@ -284,15 +284,19 @@ struct State {
     heartbeat: Option<(JoinHandle<()>, CancellationToken)>,
     /// The cancel listener ([`cancels`]); stops with the heartbeat.
     listener: Option<JoinHandle<()>>,
+    /// [`Inner::claiming`], cleared when this is dropped too.
+    claiming: Arc<AtomicBool>,
 }
 
 /// Dropped with the last handle (say, an embedding application's timeout
 /// dropped `Worker::run`): the job tasks in the `JoinSet` are aborted, so
 /// their handlers are dropped (commands killed), and the heartbeat stops, so
 /// no lease is renewed for a handler that no longer exists; the leases
-/// expire and the reaper takes the jobs back.
+/// expire and the reaper takes the jobs back. The recorders, which finish
+/// the outcomes they hold, claim no more successors.
 impl Drop for State {
     fn drop(&mut self) {
+        self.claiming.store(false, Ordering::Release);
         if let Some((_, stop)) = &self.heartbeat {
             stop.cancel();
         }
@@ -330,7 +334,7 @@ impl Executor {
             counters: Counters::default(),
             giving_up: CancellationToken::new(),
             kill: CancellationToken::new(),
-            claiming: AtomicBool::new(successors.is_some()),
+            claiming: Arc::new(AtomicBool::new(successors.is_some())),
         });
         let (outcomes, rx) = mpsc::unbounded_channel();
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
@@ -343,6 +347,7 @@ impl Executor {
             .config
             .listen
             .then(|| tokio::spawn(cancels::listen(inner.clone(), stop.clone())));
+        let claiming = inner.claiming.clone();
         Executor {
             inner,
             state: Arc::new(Mutex::new(State {
@@ -352,6 +357,7 @@ impl Executor {
                 recorders,
                 heartbeat: Some((heartbeat, stop)),
                 listener,
+                claiming,
             })),
         }
     }

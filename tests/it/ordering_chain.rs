@@ -134,7 +134,7 @@ async fn a_completion_claims_the_next_job_of_its_key_only_when_nothing_waits(poo
     assert_eq!(status(&pool, o1).await, JobStatus::Ready);
 }
 
-/// An ordered kind `kind` with two jobs of one key, the first claimed
+/// An ordered kind `kind` with two jobs of key `x`, the first claimed
 /// (`ready` and due unless `later`): its lease and the second's id.
 async fn two_of_a_key(pool: &PgPool, kind: &str, later: bool) -> ((i64, uuid::Uuid), i64) {
     let mut conn = pool.acquire().await.unwrap();
@@ -221,4 +221,31 @@ async fn a_paused_limited_rerouted_or_future_successor_is_released_not_claimed(p
     // Due later: released, not started early.
     let (head, next) = two_of_a_key(&pool, "later", true).await;
     assert_eq!(end(&pool, "later", head, next).await, (0, JobStatus::Ready));
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn jobs_claimed_by_a_completion_whose_answer_was_lost_are_given_back(pool: PgPool) {
+    let (head, next) = two_of_a_key(&pool, KIND, false).await;
+    let third = enqueue(&pool, KIND, "x").await;
+    // The completion commits; say its answer never came back.
+    let (_, claimed) = complete(&pool, &[head], &[KIND]).await;
+    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![next]);
+    // A token that completed nothing gives back nothing.
+    let none = queue::unclaim_successors(&pool, &[uuid::Uuid::new_v4()])
+        .await
+        .unwrap();
+    assert_eq!(none, 0);
+    assert_eq!(status(&pool, next).await, JobStatus::Running);
+    // The retry finds the completion written: what it claimed goes back,
+    // its attempt restored, the key's order kept.
+    let given = queue::unclaim_successors(&pool, &[head.1]).await.unwrap();
+    assert_eq!(given, 1);
+    let back = queue::get(&pool, next).await.unwrap();
+    assert_eq!(back.status, JobStatus::Ready);
+    assert_eq!(back.attempts, 0);
+    assert!(back.lease_token.is_none());
+    assert_eq!(status(&pool, third).await, JobStatus::Held);
+    // Claimed again, as any ready job.
+    let again = claim(&pool, &[KIND], 10).await;
+    assert_eq!(again.iter().map(|l| l.0).collect::<Vec<_>>(), vec![next]);
 }

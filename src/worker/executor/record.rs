@@ -390,6 +390,35 @@ impl Inner {
                 }
             }
         };
+        // A completion found written by a try whose answer was lost may
+        // have claimed the next jobs of its keys: they are given back.
+        let orphans: Vec<Uuid> = unsure
+            .iter()
+            .filter(|o| {
+                o.ambiguous
+                    && matches!(o.write, Write::Complete)
+                    && statuses.get(&o.id) == Some(&JobStatus::Done)
+            })
+            .map(|o| o.token)
+            .collect();
+        if !orphans.is_empty() {
+            let given = bounded(
+                self.config.lease / 3,
+                on(link, |c| queue::unclaim_successors(c, &orphans)),
+            )
+            .await;
+            match given {
+                Ok(0) => {}
+                Ok(n) => warn!(
+                    jobs = n,
+                    "gave back the jobs a completion claimed before its answer was lost"
+                ),
+                Err(err) => {
+                    link.discard();
+                    warn!(%err, "could not give back the jobs a completion claimed before its answer was lost; their leases will expire");
+                }
+            }
+        }
         for o in unsure {
             let status = statuses.get(&o.id).copied().filter(|_| o.ambiguous);
             let executed = match status {
