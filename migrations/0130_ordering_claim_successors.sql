@@ -11,7 +11,8 @@
 -- step: while its UPDATE's statement trigger releases the keys it ended,
 -- the setting `almanac.claim_successors` (the lease in milliseconds) lets
 -- `release_keys` claim a released job at once (`held -> running`, the
--- claim's own write: one more attempt, a fresh lease token and lease)
+-- claim's own write: one more attempt, a lease token and a lease; the
+-- token derived from the completed job's, see `release_keys` below)
 -- when a claim by that worker would take it anyway:
 --
 -- - its kind is routed to `db` (a dual or broker kind's job gets its

@@ -438,8 +438,12 @@ pub async fn complete_many(
 /// (`almanac.complete_claiming`, migration 0130). At
 /// most one per completed job, so the caller runs each in the slot of the
 /// job whose completion released it. The claim's fence is the claim's: each
-/// gets a fresh lease token, and a statement that got no answer may have
-/// claimed jobs nobody runs, whose leases expire (as after a claim).
+/// gets a lease token of its own, derived from its predecessor's. A
+/// statement that got no answer may have claimed jobs nobody runs: the
+/// retry that finds the completion written gives them back
+/// ([`unclaim_successors`]); should that fail too, their leases expire and
+/// the reaper takes them back, an attempt spent, as after a claim whose
+/// answer was lost.
 pub async fn complete_many_claiming(
     conn: &mut PgConnection,
     leases: &[(i64, Uuid)],
@@ -691,6 +695,19 @@ pub async fn release<'e>(
     Ok(released)
 }
 
+/// What an unclaim writes ([`unclaim`], [`unclaim_successors`]): `ready`
+/// at once with the claim's attempt given back, or `cancelled` if an
+/// operator asked for that meanwhile.
+macro_rules! unclaim_set {
+    () => {
+        "SET status = CASE WHEN cancel_requested_at IS NULL THEN 'ready' ELSE 'cancelled' END,
+            attempts = greatest(attempts - 1, 0),
+            run_at = CASE WHEN cancel_requested_at IS NULL THEN clock_timestamp() ELSE run_at END,
+            finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
+            route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL"
+    };
+}
+
 /// Hands back a job that was claimed but never started (its claimant is
 /// shutting down): `ready` at once with the attempt the claim took restored,
 /// so a job is never buried for attempts it did not get to run (`cancelled`
@@ -701,17 +718,11 @@ pub async fn unclaim<'e>(
     id: i64,
     token: Uuid,
 ) -> Result<bool, QueueError> {
-    let unclaimed = sqlx::query(
-        r#"
-        UPDATE almanac.jobs
-        SET status = CASE WHEN cancel_requested_at IS NULL THEN 'ready' ELSE 'cancelled' END,
-            attempts = greatest(attempts - 1, 0),
-            run_at = CASE WHEN cancel_requested_at IS NULL THEN clock_timestamp() ELSE run_at END,
-            finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
-            route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL
-        WHERE id = $1 AND status = 'running' AND lease_token = $2
-        "#,
-    )
+    let unclaimed = sqlx::query(concat!(
+        "UPDATE almanac.jobs ",
+        unclaim_set!(),
+        " WHERE id = $1 AND status = 'running' AND lease_token = $2"
+    ))
     .bind(id)
     .bind(token)
     .execute(db)
@@ -729,15 +740,11 @@ pub async fn unclaim_successors<'e>(
     db: impl PgExecutor<'e>,
     completed: &[Uuid],
 ) -> Result<u64, QueueError> {
-    let (given, _notified): (i64, i64) = sqlx::query_as(
+    let (given, _notified): (i64, i64) = sqlx::query_as(concat!(
         r#"
-        WITH given AS (
-            UPDATE almanac.jobs
-            SET status = CASE WHEN cancel_requested_at IS NULL THEN 'ready' ELSE 'cancelled' END,
-                attempts = greatest(attempts - 1, 0),
-                run_at = CASE WHEN cancel_requested_at IS NULL THEN clock_timestamp() ELSE run_at END,
-                finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
-                route = almanac.route_of(kind), lease_token = NULL, lease_until = NULL
+        WITH given AS (UPDATE almanac.jobs "#,
+        unclaim_set!(),
+        r#"
             WHERE status = 'running'
               AND lease_token = ANY (ARRAY(SELECT md5(t::text || ':next')::uuid
                                            FROM unnest($1::uuid[]) AS t))
@@ -746,8 +753,8 @@ pub async fn unclaim_successors<'e>(
             SELECT pg_notify('almanac_jobs', d.kind) FROM (SELECT DISTINCT kind FROM given) AS d
         )
         SELECT (SELECT count(*) FROM given), (SELECT count(*) FROM told)
-        "#,
-    )
+        "#
+    ))
     .bind(completed)
     .fetch_one(db)
     .await?;

@@ -314,17 +314,34 @@ impl Inner {
         let pool = self.pool.clone();
         let within = self.config.lease / 3;
         tokio::spawn(async move {
+            let mut kinds = Vec::new();
             for job in unrun {
                 let token = job.lease_token.expect("a claimed job holds a lease");
-                if !matches!(
+                if matches!(
                     bounded(within, queue::unclaim(&pool, job.id, token)).await,
                     Ok(true)
                 ) {
+                    kinds.push(job.kind);
+                } else {
                     warn!(
                         job_id = job.id,
                         "could not give back a job claimed by a completion; its lease will expire"
                     );
                 }
+            }
+            // Other workers hear of them now, not at their next poll.
+            kinds.sort();
+            kinds.dedup();
+            for kind in kinds {
+                let _ = bounded(within, async {
+                    sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(queue::NOTIFY_CHANNEL)
+                        .bind(&kind)
+                        .execute(&pool)
+                        .await?;
+                    Ok(())
+                })
+                .await;
             }
         });
     }
