@@ -5,6 +5,7 @@
 //! kinds waiting. Otherwise the job becomes `ready` as before. A claimed
 //! job carries the claim's fence: running, one attempt more, its own lease.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use almanac::control::{limits as limit_control, ordering as control, pause, Actor};
@@ -13,8 +14,14 @@ use almanac::queue::ordering::OnDead;
 use almanac::queue::{self, Claim, Job, JobStatus, NewJob};
 use almanac::relay::routes::{self, RouteMode};
 use almanac::relay::SinkKind;
+use almanac::role::{Role, Settings};
+use almanac::worker::{HandlerError, JobContext, Worker, WorkerConfig};
 use serde_json::json;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::harness::proxy::Proxy;
+use crate::harness::{self, eventually};
 
 const KIND: &str = "chained";
 const OTHER: &str = "other";
@@ -248,4 +255,136 @@ async fn jobs_claimed_by_a_completion_whose_answer_was_lost_are_given_back(pool:
     // Claimed again, as any ready job.
     let again = claim(&pool, &[KIND], 10).await;
     assert_eq!(again.iter().map(|l| l.0).collect::<Vec<_>>(), vec![next]);
+}
+
+/// The worker end to end: its completion of a key's head commits (and
+/// claims the next job) while the answer is held on the way back, past the
+/// recorder's deadline; its retry finds the head done and gives the next
+/// job back, which then runs, its attempt restored, long before its lease
+/// (which nobody would renew) could expire. Without the give-back the next
+/// job, `max_attempts = 1`, would sit `running` until its lease ran out
+/// and then be buried unrun by the reaper.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_worker_gives_back_what_a_completion_claimed_when_its_answer_was_lost(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    control::set(&mut conn, &Actor::os_user(), KIND, Some("/k"), OnDead::Halt)
+        .await
+        .unwrap();
+    let once = |key: &str| {
+        NewJob::new(KIND)
+            .payload(json!({ "k": key }))
+            .max_attempts(1)
+    };
+    let head = queue::enqueue(&mut conn, &once("x")).await.unwrap().id();
+    let next = queue::enqueue(&mut conn, &once("x")).await.unwrap().id();
+    // Two jobs of other keys, completed one after the other first, so that
+    // both outcome recorders have connected before answers are held (a
+    // connection's handshake is an answer too).
+    let warm = [
+        queue::enqueue(&mut conn, &once("w1")).await.unwrap().id(),
+        queue::enqueue(&mut conn, &once("w2")).await.unwrap().id(),
+    ];
+    // Recorder and claim deadlines lease / 3 = 3 s; lease 9 s.
+    let lease = Duration::from_secs(9);
+    let proxy = Proxy::postgres().await;
+    let url = proxy.postgres_url(&harness::database_url(&pool));
+    let through = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let handler_gate = gate.clone();
+    let warm_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let handler_warm_gate = warm_gate.clone();
+    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handler_runs = runs.clone();
+    let config = WorkerConfig {
+        concurrency: 4,
+        batch_size: 4,
+        lease,
+        poll_interval: Duration::from_millis(100),
+        ..WorkerConfig::default()
+    };
+    let worker =
+        Worker::new(through, config.validated().unwrap()).register(KIND, move |ctx: JobContext| {
+            let (gate, runs) = (handler_gate.clone(), handler_runs.clone());
+            let warm_gate = handler_warm_gate.clone();
+            async move {
+                runs.lock().unwrap().push((ctx.job.id, ctx.job.attempts));
+                if ctx.job.id == head {
+                    gate.acquire().await.unwrap().forget();
+                } else if warm.contains(&ctx.job.id) {
+                    warm_gate.acquire().await.unwrap().forget();
+                }
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually(
+        "the first jobs to start",
+        Duration::from_secs(10),
+        || async { runs.lock().unwrap().len() == 3 },
+    )
+    .await;
+    for done in 1..=warm.len() as i64 {
+        warm_gate.add_permits(1);
+        eventually(
+            "a warm-up job to be done",
+            Duration::from_secs(10),
+            || async { count_done(&pool, &warm).await == done },
+        )
+        .await;
+    }
+
+    // The completion goes through and commits; its answer does not come.
+    proxy.hold_answers();
+    gate.add_permits(1);
+    eventually(
+        "the completion to commit and claim the next job",
+        Duration::from_secs(10),
+        || async { status(&pool, head).await == JobStatus::Done },
+    )
+    .await;
+    assert_eq!(status(&pool, next).await, JobStatus::Running);
+    // Past the recorder's deadline (3 s) before the answers come again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    proxy.thaw();
+
+    let given_back_by = std::time::Instant::now();
+    eventually(
+        "the next job to run and be done",
+        Duration::from_secs(5),
+        || async { status(&pool, next).await == JobStatus::Done },
+    )
+    .await;
+    assert!(
+        given_back_by.elapsed() < lease / 2,
+        "the next job waited for its lease"
+    );
+    stop.cancel();
+    let report = running.await.unwrap().unwrap();
+    let runs: Vec<(i64, i32)> = runs
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|(id, _)| !warm.contains(id))
+        .collect();
+    assert_eq!(
+        runs,
+        vec![(head, 1), (next, 1)],
+        "each job ran once, in order"
+    );
+    assert_eq!(queue::get(&pool, next).await.unwrap().attempts, 1);
+    assert_eq!(report.completed, 4, "{report:?}");
+}
+
+async fn count_done(pool: &PgPool, ids: &[i64]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM almanac.jobs WHERE id = ANY($1) AND status = 'done'")
+        .bind(ids)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }

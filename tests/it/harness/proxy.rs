@@ -5,6 +5,9 @@
 //!   socket open (a half-open network, a partition, a hung peer): nothing is
 //!   refused or reset, bytes just stop arriving. New connections are accepted
 //!   and held. [`Proxy::thaw`] resumes forwarding, buffered bytes included.
+//! - [`Proxy::hold_answers`]: forwards what clients send but holds what the
+//!   server answers (a statement that commits while its answer is lost);
+//!   [`Proxy::thaw`] lets the answers through.
 //! - [`Proxy::cut`]: drops every connection and refuses new ones;
 //!   [`Proxy::restore`] listens again on the same port.
 
@@ -24,6 +27,8 @@ pub struct Proxy {
     target: SocketAddr,
     stop: CancellationToken,
     frozen: watch::Sender<bool>,
+    /// Answers (server to client) held, requests forwarded.
+    answers: watch::Sender<bool>,
     /// Client connections whose sockets are still open.
     live: Arc<AtomicUsize>,
 }
@@ -50,12 +55,13 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let stop = CancellationToken::new();
         let (frozen, _) = watch::channel(false);
+        let (answers, _) = watch::channel(false);
         let live = Arc::new(AtomicUsize::new(0));
         tokio::spawn(serve(
             listener,
             target,
             stop.clone(),
-            frozen.subscribe(),
+            [frozen.subscribe(), answers.subscribe()],
             live.clone(),
         ));
         Proxy {
@@ -63,6 +69,7 @@ impl Proxy {
             target,
             stop,
             frozen,
+            answers,
             live,
         }
     }
@@ -85,9 +92,16 @@ impl Proxy {
         self.frozen.send_replace(true);
     }
 
+    /// Forwards requests but holds the server's answers until [`Proxy::thaw`]
+    /// (new connections are held too: their handshake is an answer).
+    pub fn hold_answers(&self) {
+        self.answers.send_replace(true);
+    }
+
     /// Resumes forwarding, bytes held during the freeze included.
     pub fn thaw(&self) {
         self.frozen.send_replace(false);
+        self.answers.send_replace(false);
     }
 
     /// The peer "goes away": connections drop, new ones are refused.
@@ -120,7 +134,7 @@ impl Proxy {
             listener,
             self.target,
             self.stop.clone(),
-            self.frozen.subscribe(),
+            [self.frozen.subscribe(), self.answers.subscribe()],
             self.live.clone(),
         ));
     }
@@ -136,7 +150,7 @@ async fn serve(
     listener: TcpListener,
     target: SocketAddr,
     stop: CancellationToken,
-    frozen: watch::Receiver<bool>,
+    [frozen, answers]: [watch::Receiver<bool>; 2],
     live: Arc<AtomicUsize>,
 ) {
     loop {
@@ -149,6 +163,7 @@ async fn serve(
         };
         let stop = stop.clone();
         let mut frozen = frozen.clone();
+        let answers = answers.clone();
         let live = Live::new(&live);
         tokio::spawn(async move {
             let _live = live;
@@ -161,8 +176,8 @@ async fn serve(
             let (in_read, in_write) = inbound.into_split();
             let (out_read, out_write) = outbound.into_split();
             tokio::join!(
-                pump(in_read, out_write, frozen.clone(), stop.clone()),
-                pump(out_read, in_write, frozen, stop),
+                pump(in_read, out_write, vec![frozen.clone()], stop.clone()),
+                pump(out_read, in_write, vec![frozen, answers], stop),
             );
         });
     }
@@ -184,17 +199,31 @@ async fn thawed(frozen: &mut watch::Receiver<bool>, stop: &CancellationToken) ->
     }
 }
 
+/// Waits until none of `holds` holds; `false` once the proxy is cut.
+async fn all_thawed(holds: &mut [watch::Receiver<bool>], stop: &CancellationToken) -> bool {
+    loop {
+        for hold in holds.iter_mut() {
+            if !thawed(hold, stop).await {
+                return false;
+            }
+        }
+        if holds.iter().all(|h| !*h.borrow()) {
+            return true;
+        }
+    }
+}
+
 /// Copies one direction; holds bytes (and stops reading) while frozen, so
 /// the sender's window fills as on a real half-open path.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
-    mut frozen: watch::Receiver<bool>,
+    mut frozen: Vec<watch::Receiver<bool>>,
     stop: CancellationToken,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        if !thawed(&mut frozen, &stop).await {
+        if !all_thawed(&mut frozen, &stop).await {
             return;
         }
         let n = tokio::select! {
@@ -204,7 +233,7 @@ async fn pump(
                 Ok(n) => n,
             },
         };
-        if !thawed(&mut frozen, &stop).await {
+        if !all_thawed(&mut frozen, &stop).await {
             return;
         }
         tokio::select! {
