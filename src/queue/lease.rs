@@ -730,30 +730,54 @@ pub async fn unclaim<'e>(
     Ok(unclaimed.rows_affected() == 1)
 }
 
-/// Gives back, as [`unclaim`] does, the jobs that completions of the leases
-/// `completed` claimed ([`complete_many_claiming`]) when the completions'
-/// answer was lost: nobody runs them, and their leases would otherwise
-/// hold their keys, and cost them an attempt, until the reaper took them
-/// back. Such a job's token is derived from its predecessor's (migration
-/// 0130); the kinds given back are notified. Returns how many.
+/// An unclaim ([`unclaim_set`]) of the running jobs that `$matching` picks,
+/// notifying their kinds; the statement returns how many it gave back.
+macro_rules! unclaim_notifying {
+    ($matching:literal) => {
+        concat!(
+            "WITH given AS (UPDATE almanac.jobs ",
+            unclaim_set!(),
+            " WHERE status = 'running' AND ",
+            $matching,
+            " RETURNING kind
+            ), told AS (
+                SELECT pg_notify('almanac_jobs', d.kind) FROM (SELECT DISTINCT kind FROM given) AS d
+            )
+            SELECT (SELECT count(*) FROM given), (SELECT count(*) FROM told)"
+        )
+    };
+}
+
+/// [`unclaim`] for many leases in one statement, the kinds given back
+/// notified (other workers claim them at once, not at their next poll).
+/// Returns how many leases were still held.
+pub async fn unclaim_many<'e>(
+    db: impl PgExecutor<'e>,
+    leases: &[(i64, Uuid)],
+) -> Result<u64, QueueError> {
+    let (ids, tokens): (Vec<i64>, Vec<Uuid>) = leases.iter().copied().unzip();
+    let (given, _notified): (i64, i64) = sqlx::query_as(unclaim_notifying!(
+        "(id, lease_token) IN (SELECT c.id, c.token FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token))"
+    ))
+    .bind(&ids)
+    .bind(&tokens)
+    .fetch_one(db)
+    .await?;
+    Ok(u64::try_from(given).unwrap_or(0))
+}
+
+/// Gives back, as [`unclaim_many`] does, the jobs that completions of the
+/// leases `completed` claimed ([`complete_many_claiming`]) when the
+/// completions' answer was lost: nobody runs them, and their leases would
+/// otherwise hold their keys, and cost them an attempt, until the reaper
+/// took them back. Such a job's token is derived from its predecessor's
+/// (migration 0130). Returns how many.
 pub async fn unclaim_successors<'e>(
     db: impl PgExecutor<'e>,
     completed: &[Uuid],
 ) -> Result<u64, QueueError> {
-    let (given, _notified): (i64, i64) = sqlx::query_as(concat!(
-        r#"
-        WITH given AS (UPDATE almanac.jobs "#,
-        unclaim_set!(),
-        r#"
-            WHERE status = 'running'
-              AND lease_token = ANY (ARRAY(SELECT md5(t::text || ':next')::uuid
-                                           FROM unnest($1::uuid[]) AS t))
-            RETURNING kind
-        ), told AS (
-            SELECT pg_notify('almanac_jobs', d.kind) FROM (SELECT DISTINCT kind FROM given) AS d
-        )
-        SELECT (SELECT count(*) FROM given), (SELECT count(*) FROM told)
-        "#
+    let (given, _notified): (i64, i64) = sqlx::query_as(unclaim_notifying!(
+        "lease_token = ANY (ARRAY(SELECT md5(t::text || ':next')::uuid FROM unnest($1::uuid[]) AS t))"
     ))
     .bind(completed)
     .fetch_one(db)

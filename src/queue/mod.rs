@@ -78,8 +78,8 @@ pub use enqueue::{
 pub use interrupt::{cancel_requests, snooze, CancelRequest};
 pub use lease::{
     claim, claim_by_id, complete, complete_many, complete_many_claiming, fail, heartbeat_many,
-    reap_expired, release, statuses, unclaim, unclaim_successors, Claim, ClaimById, Failure,
-    Fenced, ReapReport, Written, CLAIM_SQL, PER_KEY_WINDOW, PRIORITY_STEP,
+    reap_expired, release, statuses, unclaim, unclaim_many, unclaim_successors, Claim, ClaimById,
+    Failure, Fenced, ReapReport, Written, CLAIM_SQL, PER_KEY_WINDOW, PRIORITY_STEP,
 };
 pub use retention::{delete_finished, Deleted};
 

@@ -106,6 +106,27 @@ pub fn lease_margin(lease: Duration) -> Duration {
     lease / 5
 }
 
+/// Hands back claimed jobs that were never started (`what`: why, for the
+/// log), in one statement, with their attempt restored and their kinds
+/// notified; what cannot be handed back within `within` returns when its
+/// lease expires.
+pub(crate) async fn hand_back(
+    pool: PgPool,
+    leases: Vec<(i64, Uuid)>,
+    within: Duration,
+    what: &str,
+) {
+    let count = leases.len();
+    match bounded(within, queue::unclaim_many(&pool, &leases)).await {
+        Ok(_) => {}
+        Err(err) => warn!(
+            %err,
+            jobs = count,
+            "handing back jobs {what} failed; they return when their leases expire"
+        ),
+    }
+}
+
 /// How long a handler whose job an operator cancelled may take to return
 /// after its [`JobContext::cancelled`] fired before it is dropped (a command
 /// is killed at once): so a cancel stops every handler within 2 s.

@@ -12,7 +12,7 @@ use tokio::time::{sleep, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::executor::{Executor, Successor, Successors, WorkerReport};
+use super::executor::{hand_back, Executor, Successor, Successors, WorkerReport};
 use super::{Handler, WorkerConfig};
 use crate::db;
 use crate::metrics::Metrics;
@@ -114,7 +114,7 @@ pub(super) async fn run(
         if shutdown.is_cancelled() {
             if let Ok(Ok(jobs)) = claimed {
                 let leases = jobs.iter().filter_map(|j| j.lease()).collect();
-                hand_back(pool.clone(), leases, claim_within).await;
+                hand_back(pool.clone(), leases, claim_within, "claimed at shutdown").await;
             }
             break;
         }
@@ -273,29 +273,6 @@ const LIMITED_POLL: Duration = Duration::from_millis(100);
 /// How long a worker with a backlog waits for half a batch of free slots
 /// before it claims into the slots it has.
 const REFILL_WAIT: Duration = Duration::from_millis(5);
-
-/// Hands back jobs claimed after a stop request, unstarted, with their
-/// attempt restored; what cannot be handed back within `within` returns
-/// when its lease expires.
-async fn hand_back(pool: PgPool, leases: Vec<(i64, uuid::Uuid)>, within: Duration) {
-    let count = leases.len();
-    let unclaim_all = async move {
-        for (id, token) in leases {
-            queue::unclaim(&pool, id, token).await?;
-        }
-        Ok::<_, QueueError>(())
-    };
-    match tokio::time::timeout(within, unclaim_all).await {
-        Ok(Ok(())) => {}
-        Ok(Err(err)) => {
-            warn!(%err, jobs = count, "handing back jobs claimed at shutdown failed; they return when their leases expire")
-        }
-        Err(_) => warn!(
-            jobs = count,
-            "handing back jobs claimed at shutdown timed out; they return when their leases expire"
-        ),
-    }
-}
 
 /// Whether any of `kinds` has limits; `None` if the database did not say.
 async fn has_limits(link: &mut db::Held, kinds: &[String]) -> Option<bool> {

@@ -442,6 +442,42 @@ async fn an_unstarted_job_handed_back_keeps_its_attempts(pool: PgPool) {
     assert!(!queue::unclaim(&pool, id, token).await.unwrap());
 }
 
+/// Many jobs handed back in one statement (a worker's shutdown): each
+/// still held gets its attempt back, a stale token changes nothing, and
+/// workers hear of the kind at once.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn unstarted_jobs_handed_back_together_keep_their_attempts_and_wake_workers(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    for _ in 0..2 {
+        queue::enqueue(&mut conn, &NewJob::new("once").max_attempts(1))
+            .await
+            .unwrap();
+    }
+    let a = claim_one(&pool, "once", Duration::from_secs(30)).await;
+    let b = claim_one(&pool, "once", Duration::from_secs(30)).await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen(queue::NOTIFY_CHANNEL).await.unwrap();
+    let leases = [a.lease().unwrap(), (b.id, Uuid::new_v4())];
+    assert_eq!(queue::unclaim_many(&pool, &leases).await.unwrap(), 1);
+    let a = queue::get(&pool, a.id).await.unwrap();
+    assert_eq!((a.status, a.attempts), (JobStatus::Ready, 0));
+    let b = queue::get(&pool, b.id).await.unwrap();
+    assert_eq!(
+        (b.status, b.attempts),
+        (JobStatus::Running, 1),
+        "a stale token is fenced off"
+    );
+    let woken = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("workers are notified of the kind")
+        .unwrap();
+    assert_eq!(woken.payload(), "once");
+    // The fence: the same hand-back again changes nothing.
+    assert_eq!(queue::unclaim_many(&pool, &leases).await.unwrap(), 0);
+}
+
 async fn outbox_rows(pool: &PgPool, job: i64) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM almanac.outbox WHERE job_id = $1")
         .bind(job)

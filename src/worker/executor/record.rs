@@ -311,39 +311,13 @@ impl Inner {
             jobs = unrun.len(),
             "jobs claimed by a completion could not be handed to the worker; giving them back"
         );
-        let pool = self.pool.clone();
-        let within = self.config.lease / 3;
-        tokio::spawn(async move {
-            let mut kinds = Vec::new();
-            for job in unrun {
-                let token = job.lease_token.expect("a claimed job holds a lease");
-                if matches!(
-                    bounded(within, queue::unclaim(&pool, job.id, token)).await,
-                    Ok(true)
-                ) {
-                    kinds.push(job.kind);
-                } else {
-                    warn!(
-                        job_id = job.id,
-                        "could not give back a job claimed by a completion; its lease will expire"
-                    );
-                }
-            }
-            // Other workers hear of them now, not at their next poll.
-            kinds.sort();
-            kinds.dedup();
-            for kind in kinds {
-                let _ = bounded(within, async {
-                    sqlx::query("SELECT pg_notify($1, $2)")
-                        .bind(queue::NOTIFY_CHANNEL)
-                        .bind(&kind)
-                        .execute(&pool)
-                        .await?;
-                    Ok(())
-                })
-                .await;
-            }
-        });
+        let leases = unrun.iter().filter_map(|j| j.lease()).collect();
+        tokio::spawn(super::hand_back(
+            self.pool.clone(),
+            leases,
+            self.config.lease / 3,
+            "claimed by a completion",
+        ));
     }
 
     fn unwritten(
