@@ -192,8 +192,8 @@ impl Inner {
                             unsure.push(o);
                         }
                     }
-                    if !claimed.is_empty() {
-                        self.hand_over(claimed, sent, slots, claiming);
+                    if let Some(to) = claiming.filter(|_| !claimed.is_empty()) {
+                        self.hand_over(claimed, sent, slots, to);
                     }
                 }
                 Err(err) => {
@@ -288,15 +288,11 @@ impl Inner {
         claimed: Vec<queue::Job>,
         sent: Instant,
         mut slots: Vec<OwnedSemaphorePermit>,
-        to: Option<&Successors>,
+        to: &Successors,
     ) {
         let mut unrun = Vec::new();
         for job in claimed {
             let Some(slot) = slots.pop() else {
-                unrun.push(job);
-                continue;
-            };
-            let Some(to) = to else {
                 unrun.push(job);
                 continue;
             };
