@@ -558,7 +558,9 @@ async fn main() -> anyhow::Result<()> {
             let (awaited, awaited_cpu) = raw(Raw::Awaited).await;
             let (pipelined, pipelined_cpu) = raw(Raw::Pipelined).await;
             enqueue(&pool, &kind, &format!("{sink}-alone-{round}"), MESSAGES).await?;
+            let cpu = Cpu::now(&pool).await;
             let alone = outbox_alone(&pool, sink).await?;
+            let (alone_db, alone_own) = Cpu::now(&pool).await.per_message(&cpu, MESSAGES);
             let turn = Turn {
                 relay: rate(MESSAGES, relayed),
                 awaited: rate(MESSAGES, awaited),
@@ -575,13 +577,15 @@ async fn main() -> anyhow::Result<()> {
                 turn.alone,
             );
             println!(
-                "{sink:<9} turn {round}: relay / min(pipelined, statements) {:.2}   relay / awaited {:.2}   CPU µs/msg: relay {} + database {}, raw awaited {}, raw pipelined {}",
+                "{sink:<9} turn {round}: relay / min(pipelined, statements) {:.2}   relay / awaited {:.2}   CPU µs/msg: relay {} + database {}, raw awaited {}, raw pipelined {}, statements alone {} + database {}",
                 turn.goal_ratio(),
                 turn.relay / turn.awaited,
                 micros(relay_own),
                 micros(relay_db),
                 micros(per_message(awaited_cpu)),
                 micros(per_message(pipelined_cpu)),
+                micros(alone_own),
+                micros(alone_db),
             );
             turns.push(turn);
         }
