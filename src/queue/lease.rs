@@ -711,23 +711,15 @@ macro_rules! unclaim_set {
 /// Hands back a job that was claimed but never started (its claimant is
 /// shutting down): `ready` at once with the attempt the claim took restored,
 /// so a job is never buried for attempts it did not get to run (`cancelled`
-/// instead, if an operator asked for that meanwhile). Under the fence;
-/// returns whether the lease was still held.
+/// instead, if an operator asked for that meanwhile). Under the fence; its
+/// kind is notified, as [`unclaim_many`] does; returns whether the lease was
+/// still held.
 pub async fn unclaim<'e>(
     db: impl PgExecutor<'e>,
     id: i64,
     token: Uuid,
 ) -> Result<bool, QueueError> {
-    let unclaimed = sqlx::query(concat!(
-        "UPDATE almanac.jobs ",
-        unclaim_set!(),
-        " WHERE id = $1 AND status = 'running' AND lease_token = $2"
-    ))
-    .bind(id)
-    .bind(token)
-    .execute(db)
-    .await?;
-    Ok(unclaimed.rows_affected() == 1)
+    Ok(unclaim_many(db, &[(id, token)]).await? == 1)
 }
 
 /// An unclaim ([`unclaim_set`]) of the running jobs that `$matching` picks,

@@ -116,14 +116,12 @@ pub(crate) async fn hand_back(
     within: Duration,
     what: &str,
 ) {
-    let count = leases.len();
-    match bounded(within, queue::unclaim_many(&pool, &leases)).await {
-        Ok(_) => {}
-        Err(err) => warn!(
+    if let Err(err) = bounded(within, queue::unclaim_many(&pool, &leases)).await {
+        warn!(
             %err,
-            jobs = count,
+            jobs = leases.len(),
             "handing back jobs {what} failed; they return when their leases expire"
-        ),
+        );
     }
 }
 

@@ -424,7 +424,8 @@ async fn stats_count_by_kind_and_status_and_see_expired_leases(pool: PgPool) {
 }
 
 /// A job handed back unstarted (its claimant shutting down) gets its attempt
-/// back: with `max_attempts = 1` it is ready again, not dead.
+/// back: with `max_attempts = 1` it is ready again, not dead; workers hear
+/// of it at once.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn an_unstarted_job_handed_back_keeps_its_attempts(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
@@ -435,9 +436,18 @@ async fn an_unstarted_job_handed_back_keeps_its_attempts(pool: PgPool) {
     let job = claim_one(&pool, "once", Duration::from_secs(30)).await;
     assert_eq!(job.attempts, 1);
     let token = job.lease_token.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen(queue::NOTIFY_CHANNEL).await.unwrap();
     assert!(queue::unclaim(&pool, id, token).await.unwrap());
     let job = queue::get(&pool, id).await.unwrap();
     assert_eq!((job.status, job.attempts), (JobStatus::Ready, 0));
+    let woken = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("workers are notified of the kind handed back")
+        .unwrap();
+    assert_eq!(woken.payload(), "once");
     // The fence: a second hand-back under the old token changes nothing.
     assert!(!queue::unclaim(&pool, id, token).await.unwrap());
 }
