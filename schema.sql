@@ -1270,6 +1270,23 @@ CREATE TABLE almanac.consumer_marks (
 
 
 --
+-- Name: consumers; Type: TABLE; Schema: almanac; Owner: -
+--
+
+CREATE UNLOGGED TABLE almanac.consumers (
+    id uuid NOT NULL,
+    sink text NOT NULL,
+    destination text NOT NULL,
+    kinds text[] NOT NULL,
+    host text NOT NULL,
+    pid integer NOT NULL,
+    started_at timestamp with time zone DEFAULT now() NOT NULL,
+    seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    unhandled jsonb DEFAULT '{}'::jsonb NOT NULL
+);
+
+
+--
 -- Name: counts; Type: TABLE; Schema: almanac; Owner: -
 --
 
@@ -1526,6 +1543,14 @@ ALTER TABLE ONLY almanac.consumer_marks
 
 
 --
+-- Name: consumers consumers_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
+--
+
+ALTER TABLE ONLY almanac.consumers
+    ADD CONSTRAINT consumers_pkey PRIMARY KEY (id);
+
+
+--
 -- Name: jobs jobs_pkey; Type: CONSTRAINT; Schema: almanac; Owner: -
 --
 
@@ -1659,6 +1684,13 @@ ALTER TABLE almanac.schedule_runs
 
 ALTER TABLE ONLY almanac.schedules
     ADD CONSTRAINT schedules_pkey PRIMARY KEY (name);
+
+
+--
+-- Name: consumers_destination_idx; Type: INDEX; Schema: almanac; Owner: -
+--
+
+CREATE INDEX consumers_destination_idx ON almanac.consumers USING btree (sink, destination);
 
 
 --

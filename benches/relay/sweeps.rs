@@ -29,8 +29,8 @@ const KIND: &str = "bench_sweep";
 const REDRIVE_AFTER: Duration = Duration::from_secs(600);
 
 /// Sweeps timed at 100,000 jobs (the median is reported); at 1,000,000
-/// one, as a re-drive sweep there takes minutes (its steps each scan the
-/// ready jobs, see docs/speed.md).
+/// one (building that backlog is most of the bench's time; see
+/// docs/speed.md).
 const SWEEPS: usize = 3;
 
 pub async fn run() -> anyhow::Result<()> {

@@ -133,6 +133,12 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 );
             }
             println!("{line}");
+            if mode != RouteMode::Db {
+                let gaps = crate::consumer::presence::gaps(&mut conn).await?;
+                for gap in gaps.iter().filter(|g| g.kind == kind) {
+                    eprintln!("warning: {}", gap.describe());
+                }
+            }
             Ok(())
         }
     }

@@ -118,6 +118,9 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             }
         );
     }
+    for g in &s.unconsumed {
+        println!("consumers {:<12} {}", format!("{}:", g.kind), g.describe());
+    }
     if !s.schedules.is_empty() {
         println!();
         println!(

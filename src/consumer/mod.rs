@@ -87,6 +87,7 @@
 
 mod kafka;
 mod marks;
+pub mod presence;
 mod rabbitmq;
 
 use std::collections::HashMap;
@@ -182,6 +183,8 @@ pub struct Consumer {
     counters: Arc<Counters>,
     metrics: Metrics,
     tracer: Tracer,
+    /// This consumer's row in `almanac.consumers`, from [`Role::run`] on.
+    presence: Option<Arc<presence::Presence>>,
 }
 
 /// Why a message's job could not be claimed; the message is not acked.
@@ -237,6 +240,7 @@ impl Consumer {
             counters: Arc::default(),
             metrics: Metrics::new(),
             tracer: Tracer::off(),
+            presence: None,
         }
     }
 
@@ -337,27 +341,52 @@ impl Consumer {
         Ok(Some(Handled::Executed(executed)))
     }
 
-    /// The kinds routed to this consumer's destination that it has no
-    /// handler for (read once, at start; `None` if the database did not say
-    /// within a few seconds).
-    async fn unhandled_routed_kinds(&self) -> Option<Vec<String>> {
+    /// Says which kinds routed to this consumer's destination it has no
+    /// handler for, and which of them no running consumer of the
+    /// destination has one for either (read once, at start; nothing is said
+    /// if the database did not answer within a few seconds).
+    async fn tell_unhandled_routed_kinds(&self) {
+        let sink = self.config.sink;
+        let destination = self.config.destination.as_str();
         let read = async {
             let mut conn = self.pool.acquire().await.ok()?;
-            crate::relay::routes::list(&mut conn).await.ok()
+            let routes = crate::relay::routes::list(&mut conn).await.ok()?;
+            let handled = presence::handled_at(&mut conn, sink, destination)
+                .await
+                .unwrap_or_default();
+            Some((routes, handled))
         };
-        let routes = tokio::time::timeout(Duration::from_secs(5), read)
-            .await
-            .ok()??;
-        let sink = self.config.sink.as_str();
-        Some(
-            routes
-                .into_iter()
-                .filter(|r| r.mode != "db" && r.sink.as_deref() == Some(sink))
-                .filter(|r| r.destination.as_deref() == Some(self.config.destination.as_str()))
-                .filter(|r| !self.handlers.contains_key(&r.kind))
-                .map(|r| r.kind)
-                .collect(),
-        )
+        let Ok(Some((routes, handled))) = tokio::time::timeout(Duration::from_secs(5), read).await
+        else {
+            return;
+        };
+        let missing: Vec<String> = routes
+            .into_iter()
+            .filter(|r| r.mode != "db" && r.sink.as_deref() == Some(sink.as_str()))
+            .filter(|r| r.destination.as_deref() == Some(destination))
+            .filter(|r| !self.handlers.contains_key(&r.kind))
+            .map(|r| r.kind)
+            .collect();
+        if missing.is_empty() {
+            return;
+        }
+        let nowhere: Vec<&String> = missing.iter().filter(|k| !handled.contains(k)).collect();
+        warn!(
+            %sink,
+            destination,
+            kinds = ?missing,
+            handled = ?self.kinds(),
+            no_running_consumer_handles = ?nowhere,
+            "kinds routed to this destination have no handler in this consumer: their messages are given back, never run here. Every consumer of a destination should run every kind routed to it (on Kafka, a consumer that cannot steps out of its group when it meets one)"
+        );
+        if !nowhere.is_empty() {
+            error!(
+                %sink,
+                destination,
+                kinds = ?nowhere,
+                "no running consumer of this destination has a handler for these routed kinds: their jobs wait in the broker until one starts. Start a consumer that handles them, or route them elsewhere (almanac route set)"
+            );
+        }
     }
 
     /// Says that a message of `kind` came that this consumer cannot run: a
@@ -365,6 +394,9 @@ impl Consumer {
     fn other_kind(&self, kind: &str, job_id: i64) {
         let destination = &self.config.destination;
         self.metrics.record_unhandled_kind(kind, destination);
+        if let Some(presence) = &self.presence {
+            presence.gave_back(kind);
+        }
         let mut seen = self.other_kinds.lock().expect("not poisoned");
         let now = Instant::now();
         let (last, since) = seen.entry(kind.to_string()).or_insert((None, 0));
@@ -505,21 +537,20 @@ impl Role for Consumer {
     type Error = ConsumerError;
 
     /// Consumes until `shutdown`, then drains and releases as the module doc says.
-    async fn run(self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
+    async fn run(mut self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
         if self.handlers.is_empty() {
             return Err(ConsumerError::NoHandlers);
         }
-        if let Some(missing) = self.unhandled_routed_kinds().await {
-            if !missing.is_empty() {
-                warn!(
-                    sink = %self.config.sink,
-                    destination = %self.config.destination,
-                    kinds = ?missing,
-                    handled = ?self.kinds(),
-                    "kinds routed to this destination have no handler in this consumer: their messages are given back, never run here. Every consumer of a destination should run every kind routed to it (on Kafka, a consumer that cannot steps out of its group when it meets one)"
-                );
-            }
-        }
+        let presence = Arc::new(presence::Presence::new(
+            self.config.sink,
+            &self.config.destination,
+            self.kinds(),
+        ));
+        // Written before the check below, so that consumers starting
+        // together see each other.
+        let _ = tokio::time::timeout(presence::BEAT_EVERY, presence.beat(&self.pool)).await;
+        self.presence = Some(presence.clone());
+        self.tell_unhandled_routed_kinds().await;
         let this = Arc::new(self);
         let executor = Executor::start(
             this.pool.clone(),
@@ -545,7 +576,8 @@ impl Role for Consumer {
             stop.cancelled().await;
             executor.shutdown().await
         };
-        let (result, jobs) = tokio::join!(consume, drain);
+        let present = presence.keep(&this.pool, &stop);
+        let (result, jobs, ()) = tokio::join!(consume, drain, present);
         result?;
         Ok(ConsumerReport {
             jobs,

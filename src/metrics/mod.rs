@@ -123,6 +123,8 @@ pub struct Metrics {
     pub schedule_runs: Family<ScheduleOutcomeLabel, Counter>,
     pub consumer_other_kind: Family<KindDestinationLabel, Counter>,
     pub route_unserved: Gauges<KindSinkLabel>,
+    /// 1 while a routed kind's destination's running consumers do not run it.
+    pub route_unconsumed: Gauges<KindSinkLabel>,
     /// 1 while a kind (or `*`) is paused; from the database.
     pub kind_paused: Gauges<KindLabel>,
     /// A limited kind's limits, one series per limit it has; from the database.
@@ -337,6 +339,12 @@ impl Metrics {
             "1 while a kind is routed (dual or broker) to a sink no relay serves (its outbox rows wait), else 0; from the database",
             route_unserved.clone(),
         );
+        let route_unconsumed = Gauges::<KindSinkLabel>::default();
+        registry.register(
+            "route_unconsumed",
+            "1 while a kind is routed (dual or broker) to a destination where no running consumer has a handler for it, or whose consumers gave its messages back unrun in the last 5 minutes, else 0; from the database",
+            route_unconsumed.clone(),
+        );
         let kind_paused = Gauges::<KindLabel>::default();
         registry.register(
             "kind_paused",
@@ -406,6 +414,7 @@ impl Metrics {
             schedule_runs,
             consumer_other_kind,
             route_unserved,
+            route_unconsumed,
             kind_paused,
             kind_limit,
             kind_limit_running,

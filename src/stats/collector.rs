@@ -59,6 +59,8 @@ pub struct Collector {
 struct Seen {
     /// Routes once reported unserved: (kind, sink).
     unserved: BTreeSet<(String, String)>,
+    /// Routes once reported unconsumed: (kind, sink).
+    unconsumed: BTreeSet<(String, String)>,
     kinds: BTreeSet<String>,
     sinks: BTreeSet<String>,
     schedules: BTreeSet<String>,
@@ -149,6 +151,23 @@ impl Collector {
                 .iter()
                 .any(|u| &u.kind == kind && &u.sink == sink);
             m.route_unserved
+                .get_or_create(&KindSinkLabel {
+                    kind: kind.clone(),
+                    sink: sink.clone(),
+                })
+                .set(if now { 1.0 } else { 0.0 });
+        }
+        seen.unconsumed.extend(
+            s.unconsumed
+                .iter()
+                .map(|g| (g.kind.clone(), g.sink.clone())),
+        );
+        for (kind, sink) in &seen.unconsumed {
+            let now = s
+                .unconsumed
+                .iter()
+                .any(|g| &g.kind == kind && &g.sink == sink);
+            m.route_unconsumed
                 .get_or_create(&KindSinkLabel {
                     kind: kind.clone(),
                     sink: sink.clone(),

@@ -56,6 +56,8 @@ pub struct Snapshot {
     pub schedules: Vec<ScheduleState>,
     /// Kinds routed (dual or broker) to a sink no relay serves right now.
     pub unserved: Vec<Unserved>,
+    /// Routed kinds their destination's running consumers do not run.
+    pub unconsumed: Vec<crate::consumer::presence::Gap>,
     /// Paused kinds (`*`: every kind), from `almanac kinds pause`.
     pub paused: Vec<crate::control::pause::Pause>,
     /// Kinds with limits (`almanac limits set`) and how many of each run now.
@@ -185,6 +187,7 @@ impl Snapshot {
         let leader = leader(&mut *conn).await?;
         let schedules = schedules(&mut *conn).await?;
         let unserved = unserved_routes(&mut *conn).await?;
+        let unconsumed = crate::consumer::presence::gaps(&mut *conn).await?;
         let paused = crate::control::pause::list(&mut *conn).await?;
         let limits = limited_kinds(&mut *conn).await?;
         Ok(Snapshot {
@@ -193,6 +196,7 @@ impl Snapshot {
             leader,
             schedules,
             unserved,
+            unconsumed,
             paused,
             limits,
         })

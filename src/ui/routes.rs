@@ -24,6 +24,7 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
     let backlog: BTreeMap<String, i64> = outbox::backlog_by_kind(&mut tx).await?;
     let sinks = relay_outbox::stats(&mut tx).await?;
     let unserved = snapshot::unserved_routes(&mut tx).await?;
+    let unconsumed = crate::consumer::presence::gaps(&mut tx).await?;
     let failed = outbox::failed(&mut tx, FAILED_ROWS).await?;
     tx.commit().await?;
     let body = html! {
@@ -34,6 +35,9 @@ pub(super) async fn page(State(ui): State<Ui>) -> Page {
                 @if u.mode == "broker" { " and nothing runs them" }
                 ". Start one with " code { "almanac run --roles relay" } " and the " (u.sink) " settings."
             }
+        }
+        @for g in &unconsumed {
+            p .warn .unconsumed data-kind=(g.kind) { (g.describe()) "." }
         }
         @if routes.is_empty() {
             p .muted { "No routes set: every kind runs from the database (mode db). Set one with "

@@ -308,7 +308,6 @@ async fn route_set_gives_up_after_its_lock_timeout_naming_the_blocker(pool: PgPo
 /// run says which, at start (and runs the ones it can).
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
-    use std::io::{BufRead, BufReader};
     let url = harness::database_url(&pool);
     let amqp = amqp_url();
     let queue = unique("partial");
@@ -331,19 +330,103 @@ async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
         );
         assert!(out.status.success(), "{}", text(&out.stderr));
     }
-    let mut consumer = harness::almanac()
-        .args([
-            "consume",
+    let (consumer, log) = consume_logged(&url, &amqp, &queue, "mail=true");
+    let line = logged(&log, "have no handler in this consumer").await;
+    assert!(line.contains("push") && line.contains("sms"), "{line}");
+    assert!(!line.contains("kinds=[\"mail\""), "{line}");
+    // No other consumer runs: none handles push or sms.
+    let line = logged(
+        &log,
+        "no running consumer of this destination has a handler",
+    )
+    .await;
+    assert!(line.contains("kinds=[\"push\", \"sms\"]"), "{line}");
+
+    // A second consumer, with sms only: mail has a consumer, push none.
+    let (second, log) = consume_logged(&url, &amqp, &queue, "sms=true");
+    let line = logged(
+        &log,
+        "no running consumer of this destination has a handler",
+    )
+    .await;
+    assert!(line.contains("kinds=[\"push\"]"), "{line}");
+
+    // `route set` says so at once.
+    let out = almanac(
+        &url,
+        &[
+            "route",
+            "set",
+            "push",
+            "--mode",
+            "broker",
             "--sink",
             "rabbitmq",
             "--destination",
             &queue,
             "--amqp-url",
             &amqp,
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let unrun = format!(
+        "kind push is routed (broker) to rabbitmq `{queue}`, but none of the 2 consumers running there \
+         has a handler for it (they handle mail, sms). Start `almanac consume --sink rabbitmq \
+         --destination {queue}` with a handler for push, or route the kind elsewhere (almanac route set)"
+    );
+    assert_eq!(text(&out.stderr), format!("warning: {unrun}"));
+
+    // So do `almanac stats` and the dashboard's routes page.
+    let stats = text(&almanac(&url, &["stats"]).stdout);
+    let lines: Vec<&str> = stats
+        .lines()
+        .filter(|l| l.starts_with("consumers "))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stats}");
+    assert_eq!(
+        lines[0]
+            .strip_prefix("consumers push:")
+            .map(str::trim_start),
+        Some(unrun.as_str())
+    );
+    let addr = format!("127.0.0.1:{}", harness::free_port());
+    let ui = spawn(
+        &url,
+        &["run", "--roles", "reaper,metrics", "--http-addr", &addr],
+    );
+    let page = eventually_page(&addr, "/routes").await;
+    assert!(
+        page.contains("<p class=\"warn unconsumed\" data-kind=\"push\">")
+            && page.contains("none of the 2 consumers running there"),
+        "{page}"
+    );
+    assert!(!page.contains("unconsumed\" data-kind=\"mail"), "{page}");
+    assert_eq!(stop(ui), Some(0));
+    assert_eq!(stop(second), Some(0));
+    assert_eq!(stop(consumer), Some(0));
+}
+
+/// `almanac consume` of `queue` with one `--handler`, its log gathered.
+fn consume_logged(
+    url: &str,
+    amqp: &str,
+    queue: &str,
+    handler: &str,
+) -> (Child, std::sync::Arc<std::sync::Mutex<String>>) {
+    use std::io::{BufRead, BufReader};
+    let mut consumer = harness::almanac()
+        .args([
+            "consume",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            queue,
+            "--amqp-url",
+            amqp,
             "--handler",
-            "mail=true",
+            handler,
         ])
-        .env("DATABASE_URL", &url)
+        .env("DATABASE_URL", url)
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -354,25 +437,38 @@ async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
     let stderr = consumer.stderr.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            lines.lock().unwrap().push_str(&line);
-            lines.lock().unwrap().push('\n');
+            let mut log = lines.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
         }
     });
-    eventually("the warning at start", Duration::from_secs(30), || async {
+    (consumer, log)
+}
+
+/// The first line of `log` containing `what`, waited for.
+async fn logged(log: &std::sync::Mutex<String>, what: &str) -> String {
+    eventually(what, Duration::from_secs(30), || async {
         let log = log.lock().unwrap().clone();
-        if log.contains("have no handler in this consumer") {
+        if log.contains(what) {
             Ok(())
         } else {
             Err(log)
         }
     })
     .await;
-    let said = log.lock().unwrap().clone();
-    let line = said
-        .lines()
-        .find(|l| l.contains("have no handler in this consumer"))
-        .unwrap();
-    assert!(line.contains("push") && line.contains("sms"), "{line}");
-    assert!(!line.contains("kinds=[\"mail\""), "{line}");
-    assert_eq!(stop(consumer), Some(0));
+    let log = log.lock().unwrap().clone();
+    log.lines().find(|l| l.contains(what)).unwrap().to_string()
+}
+
+/// `path`'s body once the server at `addr` is ready.
+async fn eventually_page(addr: &str, path: &str) -> String {
+    eventually(
+        "almanac run to serve /readyz",
+        Duration::from_secs(60),
+        || async { matches!(harness::http::get(addr, "/readyz").await, Ok(r) if r.status == 200) },
+    )
+    .await;
+    let page = harness::http::get(addr, path).await.unwrap();
+    assert_eq!(page.status, 200);
+    page.body
 }

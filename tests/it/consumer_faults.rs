@@ -279,3 +279,119 @@ async fn kafka_consumer_frozen_as_handlers_return_records_every_outcome(pool: Pg
 async fn rabbitmq_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool) {
     a_consumer_frozen_as_handlers_return_records_every_outcome(pool, SinkKind::Rabbitmq).await;
 }
+
+/// A consumer's claim that waits on a row lock ends on the server at
+/// `lease / 4` (issue #20 item 8): it never commits a lease after the
+/// consumer gave up on it, so a `max_attempts = 1` job whose row someone
+/// holds (an operator's transaction, a long statement) keeps its attempt
+/// and runs, once, when the lock goes, instead of going dead unrun.
+async fn a_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool, sink: SinkKind) {
+    harness::create_exec_log(&pool).await;
+    let destination = unique("locked");
+    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
+    publisher.ensure(&destination).await.unwrap();
+    publisher.flush().await;
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "task",
+        RouteMode::Broker,
+        Some(sink),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    let id = queue::enqueue(&mut conn, &NewJob::new("task").max_attempts(1))
+        .await
+        .unwrap()
+        .id();
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config().validated().unwrap(),
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    // A 10 s lease: claims end on the server after 2.5 s, the consumer
+    // gives up on one after 3.3 s.
+    let log = harness::log_pool(&pool, 2).await;
+    let consumer = brokers::consumer(&pool, sink, &destination, &["task"], log);
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(consumer.run(stop.clone()));
+    let waiting = || async {
+        sqlx::query_scalar::<_, Option<chrono::DateTime<chrono::Utc>>>(
+            "SELECT max(query_start) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        if let Some(at) = waiting().await {
+            break at;
+        }
+        assert!(Instant::now() < deadline, "no claim waited on the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // A later claim waiting means the first one is over: it ended on the
+    // server (its lock timeout) and the message was tried again.
+    eventually(
+        "the claim to be tried again",
+        Duration::from_secs(30),
+        || async { waiting().await.is_some_and(|at| at > first) },
+    )
+    .await;
+    let (status, attempts): (String, i32) =
+        sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), attempts),
+        ("ready", 0),
+        "a claim committed behind the lock"
+    );
+    holder.rollback().await.unwrap();
+    eventually("the job to run", Duration::from_secs(60), || async {
+        let (status, attempts): (String, i32) =
+            sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        match status.as_str() {
+            "done" | "dead" => Ok(()),
+            _ => Err(format!("{status}, attempts {attempts} (a claim behind the lock committed a lease nobody holds?)")),
+        }
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    let (status, attempts): (String, i32) =
+        sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), attempts), ("done", 1));
+    assert_eq!(count(&pool, "SELECT count(*) FROM exec_log").await, 1);
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn kafka_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool) {
+    a_claim_behind_a_row_lock_ends_on_the_server(pool, SinkKind::Kafka).await;
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn rabbitmq_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool) {
+    a_claim_behind_a_row_lock_ends_on_the_server(pool, SinkKind::Rabbitmq).await;
+}

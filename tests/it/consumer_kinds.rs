@@ -93,6 +93,39 @@ async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKin
         0,
         "a b job used an attempt in a consumer that cannot run it"
     );
+    // Within seconds an operator reading `almanac stats` sees the kind, the
+    // destination, that no running consumer has a handler for it, and what
+    // to do.
+    let wanted = format!(
+        "kind b is routed (broker) to {sink} `{destination}`, \
+         but none of the 1 consumer running there has a handler for it (they handle a); "
+    );
+    eventually("stats names b", Duration::from_secs(10), || async {
+        let out = harness::operator(&pool, &["stats"]);
+        let printed = harness::text(&out.stdout);
+        let line = printed
+            .lines()
+            .find_map(|l| l.strip_prefix("consumers b:"))
+            .map(str::trim_start);
+        match line {
+            Some(line)
+                if line.starts_with(&wanted)
+                    && line.contains("went back unrun, the last")
+                    && line.ends_with(
+                        "with a handler for b, or route the kind elsewhere (almanac route set)",
+                    ) =>
+            {
+                Ok(())
+            }
+            _ => Err(printed),
+        }
+    })
+    .await;
+    let printed = harness::text(&harness::operator(&pool, &["stats"]).stdout);
+    assert!(
+        !printed.contains("consumers a:"),
+        "a has its consumer:\n{printed}"
+    );
 
     // The newcomer runs both kinds, as in a rolling deploy that adds `b`:
     // RabbitMQ's `a`-only consumer puts each `b` message back at the tail of
@@ -123,10 +156,32 @@ async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKin
         },
     )
     .await;
+    // Both consumers are counted; the messages given back stay on the
+    // record for a few minutes, now beside a consumer that handles b.
+    let gaps = almanac::consumer::presence::gaps(&mut conn).await.unwrap();
+    let gap = gaps
+        .iter()
+        .find(|g| g.kind == "b")
+        .expect("b's given-back messages");
+    assert_eq!((gap.consumers, gap.handling), (2, 1), "{gap:?}");
+    // (The rows trail the consumer's own count by up to a beat, 2 s.)
+    assert!(gap.unhandled_messages >= 1, "{gap:?}");
+    assert!(
+        gap.describe()
+            .contains("and 1 of the 2 consumers running there handle it"),
+        "{}",
+        gap.describe()
+    );
     stop.cancel();
     for consumer in [only_a, with_b] {
         consumer.await.unwrap().unwrap();
     }
+    // A consumer that stops leaves no row: none counts as running.
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM almanac.consumers").await,
+        0,
+        "a stopped consumer still counts as running"
+    );
     relay.await.unwrap().unwrap();
     assert_eq!(
         count(&pool, "SELECT count(*) FROM exec_log").await,

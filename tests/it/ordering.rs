@@ -725,21 +725,40 @@ async fn bad_ordering_and_trace_input_is_refused_with_nothing_inserted(pool: PgP
         "{m}"
     );
     // The SQL function says the same, with its SQLSTATE.
-    for (sql, state) in [
+    let not_w3c = |tp: &str| {
+        format!(
+            "traceparent '{tp}' is not a W3C trace context header (00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>, \
+             lowercase, ids not all zeros); pass the header your tracer formats, or omit it"
+        )
+    };
+    let zeros = "00-00000000000000000000000000000000-b7ad6b7169203331-01";
+    for (sql, message) in [
         (
-            "SELECT * FROM almanac.enqueue('plain', ordering_key => 'k')",
-            "22023",
+            "SELECT * FROM almanac.enqueue('plain', ordering_key => 'k')".to_string(),
+            "kind 'plain' is not ordered, so its job cannot take ordering key 'k'; \
+             run `almanac ordering set plain` first, or omit the key"
+                .to_string(),
+        ),
+        (
+            format!("SELECT * FROM almanac.enqueue('plain', traceparent => '{zeros}')"),
+            not_w3c(zeros),
+        ),
+        (
+            "SELECT * FROM almanac.enqueue('plain', traceparent => 'abc')".to_string(),
+            not_w3c("abc"),
         ),
         (
             "SELECT * FROM almanac.enqueue('plain', traceparent => \
-             '00-00000000000000000000000000000000-b7ad6b7169203331-01')",
-            "22023",
+             '00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01')"
+                .to_string(),
+            not_w3c("00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01"),
         ),
     ] {
-        let err = sqlx::query(sql).execute(&pool).await.unwrap_err();
+        let err = sqlx::query(&sql).execute(&pool).await.unwrap_err();
+        let err = err.as_database_error().unwrap();
         assert_eq!(
-            err.as_database_error().unwrap().code().as_deref(),
-            Some(state),
+            (err.code().as_deref(), err.message()),
+            (Some("22023"), message.as_str()),
             "{sql}"
         );
     }
@@ -795,15 +814,22 @@ async fn bad_ordering_and_trace_input_is_refused_with_nothing_inserted(pool: PgP
         .execute(&pool)
         .await
         .unwrap();
-    // A good one is stored and rides on the job.
+    // A good one is stored and rides on the job, from the CLI and from SQL.
     let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let out = harness::operator(&pool, &["enqueue", "plain", "--traceparent", tp]);
     assert!(out.status.success(), "{}", harness::text(&out.stderr));
-    let stored: Option<String> = sqlx::query_scalar("SELECT traceparent FROM almanac.jobs")
-        .fetch_one(&pool)
+    let from_sql = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    sqlx::query("SELECT * FROM almanac.enqueue('plain', traceparent => $1)")
+        .bind(from_sql)
+        .execute(&pool)
         .await
         .unwrap();
-    assert_eq!(stored.as_deref(), Some(tp));
+    let stored: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT traceparent FROM almanac.jobs ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, [Some(tp.to_string()), Some(from_sql.to_string())]);
 }
 
 /// What docs/ordering.md promises an operator sees of held jobs: `stats`

@@ -23,7 +23,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{self, count, eventually};
+use crate::harness::{self, count, eventually, free_port};
 
 /// A synced schedule, parsed, and when it was first synced.
 async fn synced_schedule(
@@ -32,14 +32,6 @@ async fn synced_schedule(
 ) -> (almanac::scheduler::spec::Schedule, DateTime<Utc>) {
     let synced = history::synced_one(conn, name).await.unwrap().unwrap();
     (synced.schedule().unwrap(), synced.created_at)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A child process killed when the test ends, however it ends.

@@ -96,6 +96,15 @@ pub fn operator(pool: &PgPool, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// A TCP port free on 127.0.0.1 when asked.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A command's output as a person reads it: UTF-8, trimmed.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).trim().to_string()
