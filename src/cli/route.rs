@@ -133,10 +133,18 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
                 );
             }
             println!("{line}");
+            // The change is made; a failure to look at the consumers is a
+            // note, not a failed command.
             if mode != RouteMode::Db {
-                let gaps = crate::consumer::presence::gaps(&mut conn).await?;
-                for gap in gaps.iter().filter(|g| g.kind == kind) {
-                    eprintln!("warning: {}", gap.describe());
+                match crate::consumer::presence::gaps(&mut conn).await {
+                    Ok(gaps) => {
+                        for gap in gaps.iter().filter(|g| g.kind == kind) {
+                            eprintln!("warning: {}", gap.describe());
+                        }
+                    }
+                    Err(e) => eprintln!(
+                        "note: the route is set, but the running consumers could not be read ({e}); see `almanac stats`"
+                    ),
                 }
             }
             Ok(())

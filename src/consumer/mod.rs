@@ -351,40 +351,58 @@ impl Consumer {
         let read = async {
             let mut conn = self.pool.acquire().await.ok()?;
             let routes = crate::relay::routes::list(&mut conn).await.ok()?;
+            // Unknown (`None`) if the rows cannot be read: then nothing is
+            // said about other consumers.
             let handled = presence::handled_at(&mut conn, sink, destination)
                 .await
-                .unwrap_or_default();
+                .ok();
             Some((routes, handled))
         };
         let Ok(Some((routes, handled))) = tokio::time::timeout(Duration::from_secs(5), read).await
         else {
             return;
         };
-        let missing: Vec<String> = routes
+        let missing: Vec<(String, String)> = routes
             .into_iter()
             .filter(|r| r.mode != "db" && r.sink.as_deref() == Some(sink.as_str()))
             .filter(|r| r.destination.as_deref() == Some(destination))
             .filter(|r| !self.handlers.contains_key(&r.kind))
-            .map(|r| r.kind)
+            .map(|r| (r.kind, r.mode))
             .collect();
         if missing.is_empty() {
             return;
         }
-        let nowhere: Vec<&String> = missing.iter().filter(|k| !handled.contains(k)).collect();
+        let kinds: Vec<&String> = missing.iter().map(|(kind, _)| kind).collect();
         warn!(
             %sink,
             destination,
-            kinds = ?missing,
+            kinds = ?kinds,
             handled = ?self.kinds(),
-            no_running_consumer_handles = ?nowhere,
             "kinds routed to this destination have no handler in this consumer: their messages are given back, never run here. Every consumer of a destination should run every kind routed to it (on Kafka, a consumer that cannot steps out of its group when it meets one)"
         );
-        if !nowhere.is_empty() {
+        let Some(handled) = handled else { return };
+        let nowhere = |mode: &str| -> Vec<&String> {
+            missing
+                .iter()
+                .filter(|(kind, m)| m == mode && !handled.contains(kind))
+                .map(|(kind, _)| kind)
+                .collect()
+        };
+        let (broker, dual) = (nowhere("broker"), nowhere("dual"));
+        if !broker.is_empty() {
             error!(
                 %sink,
                 destination,
-                kinds = ?nowhere,
-                "no running consumer of this destination has a handler for these routed kinds: their jobs wait in the broker until one starts. Start a consumer that handles them, or route them elsewhere (almanac route set)"
+                kinds = ?broker,
+                "no running consumer of this destination has a handler for these kinds routed to the broker: nothing runs their jobs until one starts. Start a consumer that handles them, or route them elsewhere (almanac route set)"
+            );
+        }
+        if !dual.is_empty() {
+            warn!(
+                %sink,
+                destination,
+                kinds = ?dual,
+                "no running consumer of this destination has a handler for these kinds in dual mode: workers run their jobs, and their messages are given back. Start a consumer that handles them before moving them to the broker"
             );
         }
     }
@@ -542,13 +560,14 @@ impl Role for Consumer {
             return Err(ConsumerError::NoHandlers);
         }
         let presence = Arc::new(presence::Presence::new(
+            &self.pool,
             self.config.sink,
             &self.config.destination,
             self.kinds(),
         ));
         // Written before the check below, so that consumers starting
         // together see each other.
-        let _ = tokio::time::timeout(presence::BEAT_EVERY, presence.beat(&self.pool)).await;
+        let _ = tokio::time::timeout(presence::BEAT_EVERY, presence.beat()).await;
         self.presence = Some(presence.clone());
         self.tell_unhandled_routed_kinds().await;
         let this = Arc::new(self);
@@ -576,7 +595,7 @@ impl Role for Consumer {
             stop.cancelled().await;
             executor.shutdown().await
         };
-        let present = presence.keep(&this.pool, &stop);
+        let present = presence.keep(&stop);
         let (result, jobs, ()) = tokio::join!(consume, drain, present);
         result?;
         Ok(ConsumerReport {

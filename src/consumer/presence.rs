@@ -9,12 +9,22 @@
 //!   row nobody wrote for [`FORGET_AFTER`] is deleted by the next write of
 //!   any consumer.
 //! - **Running** means written within [`LIVE_FOR`]: a consumer killed,
-//!   stopped or cut off from the database stops counting within that.
+//!   stopped or cut off from the database stops counting within that. It
+//!   means the process runs and reaches the database, not that its broker
+//!   session is up: a consumer retrying a broker it cannot reach, or a Kafka
+//!   consumer stepped out of its group, still counts (its own log says why
+//!   it consumes nothing).
+//! - **Its own connection.** The writes go through one connection of their
+//!   own whose statements end on the server after [`BEAT_EVERY`] (as the
+//!   claims' do), so a lock on the table can delay the rows but never takes
+//!   a connection the consumer's jobs need.
 //! - **A gap** ([`gaps`]) is a kind routed to a destination (`dual` or
 //!   `broker`) whose running consumers include none with a handler for it
 //!   (in `dual` mode only when some consumer runs there at all: with none,
 //!   the workers run its jobs), or whose messages a consumer of the
-//!   destination gave back unrun within [`UNHANDLED_RECENT`].
+//!   destination gave back unrun within [`UNHANDLED_RECENT`]. The counts
+//!   are of deliveries (a message given back comes again), since each
+//!   consumer started. Values in a row that are not numbers are ignored.
 //! - **Limits.** Only almanac's own consumers (`almanac consume`, the Rust
 //!   [`super::Consumer`]) write rows; a destination read by other programs
 //!   looks unconsumed. The table is unlogged: on a standby it cannot be
@@ -36,7 +46,7 @@ use crate::broker::SinkKind;
 /// How often a running consumer writes its row.
 pub const BEAT_EVERY: Duration = Duration::from_secs(2);
 /// A consumer whose row was written within this is running.
-pub const LIVE_FOR: Duration = Duration::from_secs(10);
+pub const LIVE_FOR: Duration = Duration::from_secs(15);
 /// Messages given back unrun within this show as a gap.
 pub const UNHANDLED_RECENT: Duration = Duration::from_secs(300);
 /// A row not written for this long is deleted.
@@ -44,6 +54,8 @@ pub const FORGET_AFTER: Duration = Duration::from_secs(3600);
 
 /// One running consumer's row, and what it met since it started.
 pub(super) struct Presence {
+    /// One connection, its statements bounded on the server.
+    pool: PgPool,
     id: Uuid,
     sink: SinkKind,
     destination: String,
@@ -53,9 +65,15 @@ pub(super) struct Presence {
 }
 
 impl Presence {
-    pub(super) fn new(sink: SinkKind, destination: &str, mut kinds: Vec<String>) -> Presence {
+    pub(super) fn new(
+        pool: &PgPool,
+        sink: SinkKind,
+        destination: &str,
+        mut kinds: Vec<String>,
+    ) -> Presence {
         kinds.sort();
         Presence {
+            pool: crate::db::bounded_pool(pool, BEAT_EVERY, BEAT_EVERY, 1),
             id: Uuid::new_v4(),
             sink,
             destination: destination.to_string(),
@@ -74,8 +92,9 @@ impl Presence {
         entry.1 = Instant::now();
     }
 
-    /// Writes the row (and deletes forgotten ones), one statement.
-    pub(super) async fn beat(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+    /// Writes the row (and deletes forgotten ones nobody else is deleting),
+    /// one statement.
+    pub(super) async fn beat(&self) -> Result<(), sqlx::Error> {
         let (kinds, messages, ago): (Vec<String>, Vec<i64>, Vec<f64>) = {
             let unhandled = self.unhandled.lock().expect("not poisoned");
             let now = Instant::now();
@@ -91,7 +110,10 @@ impl Presence {
         };
         sqlx::query(
             "WITH forgotten AS (
-                 DELETE FROM almanac.consumers WHERE seen_at < now() - make_interval(secs => $10))
+                 DELETE FROM almanac.consumers WHERE id IN (
+                     SELECT f.id FROM almanac.consumers f
+                     WHERE f.seen_at < now() - make_interval(secs => $10)
+                     FOR UPDATE SKIP LOCKED))
              INSERT INTO almanac.consumers AS c (id, sink, destination, kinds, host, pid, unhandled)
              VALUES ($1, $2, $3, $4, $5, $6,
                      (SELECT coalesce(jsonb_object_agg(u.kind, jsonb_build_object(
@@ -111,17 +133,17 @@ impl Presence {
         .bind(&messages)
         .bind(&ago)
         .bind(FORGET_AFTER.as_secs_f64())
-        .execute(pool)
+        .execute(&self.pool)
         .await?;
         Ok(())
     }
 
     /// Writes the row every [`BEAT_EVERY`] until `shutdown`, then deletes
     /// it. A failed write is logged once until one succeeds again.
-    pub(super) async fn keep(&self, pool: &PgPool, shutdown: &CancellationToken) {
+    pub(super) async fn keep(&self, shutdown: &CancellationToken) {
         let mut failing = false;
         loop {
-            match tokio::time::timeout(BEAT_EVERY, self.beat(pool)).await {
+            match tokio::time::timeout(BEAT_EVERY, self.beat()).await {
                 Ok(Ok(())) => {
                     if failing {
                         info!(destination = %self.destination, "consumer presence written again");
@@ -145,13 +167,13 @@ impl Presence {
         }
         let leave = sqlx::query("DELETE FROM almanac.consumers WHERE id = $1")
             .bind(self.id)
-            .execute(pool);
+            .execute(&self.pool);
         let error = match tokio::time::timeout(BEAT_EVERY, leave).await {
             Ok(Ok(_)) => return,
             Ok(Err(e)) => e.to_string(),
             Err(_) => "timed out".to_string(),
         };
-        warn!(%error, "cannot delete this consumer's presence row; it stops counting as running within 10 s");
+        warn!(%error, "cannot delete this consumer's presence row; it stops counting as running within 15 s");
     }
 }
 
@@ -226,9 +248,12 @@ impl Gap {
         if let Some(ago) = self.unhandled_last_seconds {
             let n = self.unhandled_messages;
             line += &format!(
-                "; {n} of its message{} came to a consumer without one and went back unrun, the last {ago:.0}s ago",
-                if n == 1 { "" } else { "s" }
+                "; consumers without one gave its messages back unrun ({n} deliver{} since they started), the last {ago:.0}s ago",
+                if n == 1 { "y" } else { "ies" }
             );
+        }
+        if self.mode == "dual" {
+            line += " (workers still run its jobs)";
         }
         if self.handling == 0 {
             line += &format!(
@@ -267,13 +292,18 @@ pub async fn gaps(conn: &mut PgConnection) -> Result<Vec<Gap>, sqlx::Error> {
                     u.messages AS unhandled_messages, u.last_seconds AS unhandled_last_seconds
              FROM almanac.routes r
              CROSS JOIN LATERAL (
-                 SELECT coalesce(sum((c.unhandled -> r.kind ->> 'messages')::bigint), 0)::bigint AS messages,
-                        (extract(epoch FROM now())
-                         - max((c.unhandled -> r.kind ->> 'last_at')::float8))::float8 AS last_seconds
+                 SELECT coalesce(sum(v.messages), 0)::bigint AS messages,
+                        (extract(epoch FROM now()) - max(v.last_at))::float8 AS last_seconds
                  FROM almanac.consumers c
+                 CROSS JOIN LATERAL (
+                     SELECT CASE WHEN jsonb_typeof(c.unhandled -> r.kind -> 'messages') = 'number'
+                                 THEN least(greatest(trunc((c.unhandled -> r.kind -> 'messages')::numeric), 0), 1e15)
+                            END AS messages,
+                            CASE WHEN jsonb_typeof(c.unhandled -> r.kind -> 'last_at') = 'number'
+                                 THEN least(greatest((c.unhandled -> r.kind -> 'last_at')::numeric, 0), 1e12)::float8
+                            END AS last_at) AS v
                  WHERE c.sink = r.sink AND c.destination = r.destination
-                   AND (c.unhandled -> r.kind ->> 'last_at')::float8
-                       > extract(epoch FROM now()) - $2) AS u
+                   AND v.last_at > extract(epoch FROM now()) - $2) AS u
              WHERE r.mode IN ('dual', 'broker') AND r.sink IS NOT NULL AND r.destination IS NOT NULL
          ) AS g
          WHERE (g.handling = 0 AND (g.mode = 'broker' OR g.consumers > 0))

@@ -401,6 +401,28 @@ async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
         "{page}"
     );
     assert!(!page.contains("unconsumed\" data-kind=\"mail"), "{page}");
+    eventually(
+        "the unconsumed route on /metrics",
+        Duration::from_secs(30),
+        || async {
+            let body = harness::http::get(&addr, "/metrics")
+                .await
+                .map(|r| r.body)
+                .unwrap_or_default();
+            let push = harness::http::sample(
+                &body,
+                "almanac_route_unconsumed",
+                &[("kind", "push"), ("sink", "rabbitmq")],
+            );
+            let mail = harness::http::sample(
+                &body,
+                "almanac_route_unconsumed",
+                &[("kind", "mail"), ("sink", "rabbitmq")],
+            );
+            (push, mail) == (Some(1.0), None)
+        },
+    )
+    .await;
     assert_eq!(stop(ui), Some(0));
     assert_eq!(stop(second), Some(0));
     assert_eq!(stop(consumer), Some(0));

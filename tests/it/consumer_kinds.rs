@@ -110,7 +110,7 @@ async fn a_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool, sink: SinkKin
         match line {
             Some(line)
                 if line.starts_with(&wanted)
-                    && line.contains("went back unrun, the last")
+                    && line.contains("; consumers without one gave its messages back unrun (")
                     && line.ends_with(
                         "with a handler for b, or route the kind elsewhere (almanac route set)",
                     ) =>
@@ -202,4 +202,74 @@ async fn kafka_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool) {
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn rabbitmq_consumer_never_drops_a_kind_it_cannot_run(pool: PgPool) {
     a_consumer_never_drops_a_kind_it_cannot_run(pool, SinkKind::Rabbitmq).await;
+}
+
+/// The rules `stats`, `/routes`, the metric and `route set` read the
+/// consumers' rows by (`almanac::consumer::presence`), on rows as consumers
+/// leave them: one killed 20 s ago, one with a value no consumer writes.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn presence_rows_count_only_live_consumers_and_skip_bad_values(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    for (kind, mode, destination) in [
+        ("nobody", RouteMode::Broker, "q1"),
+        ("dual_nobody", RouteMode::Dual, "q1"),
+        ("killed", RouteMode::Broker, "q2"),
+        ("served", RouteMode::Broker, "q3"),
+    ] {
+        routes::set(
+            &mut conn,
+            kind,
+            mode,
+            Some(SinkKind::Rabbitmq),
+            Some(destination),
+        )
+        .await
+        .unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO almanac.consumers (id, sink, destination, kinds, host, pid, seen_at, unhandled) VALUES
+           (gen_random_uuid(), 'rabbitmq', 'q2', '{killed}', 'h', 1, now() - interval '20 seconds', '{}'),
+           (gen_random_uuid(), 'rabbitmq', 'q3', '{served}', 'h', 2, now(),
+            '{\"served\": {\"messages\": \"many\", \"last_at\": \"soon\"}, \"other\": [1]}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gaps = almanac::consumer::presence::gaps(&mut conn).await.unwrap();
+    let described: Vec<(String, i64, i64, i64)> = gaps
+        .iter()
+        .map(|g| {
+            (
+                g.kind.clone(),
+                g.consumers,
+                g.handling,
+                g.unhandled_messages,
+            )
+        })
+        .collect();
+    // A broker route with no consumer, and one whose only consumer is gone;
+    // a dual route without consumers is no gap (workers run it), nor is a
+    // served kind whose row holds values no consumer writes.
+    assert_eq!(
+        described,
+        [
+            ("killed".to_string(), 0, 0, 0),
+            ("nobody".to_string(), 0, 0, 0)
+        ]
+    );
+    assert!(
+        gaps[0]
+            .describe()
+            .starts_with("kind killed is routed (broker) to rabbitmq `q2`, but no almanac consumer of it is running: nothing runs its jobs."),
+        "{}",
+        gaps[0].describe()
+    );
+    let out = harness::operator(&pool, &["stats"]);
+    assert!(out.status.success(), "{}", harness::text(&out.stderr));
+    let printed = harness::text(&out.stdout);
+    let lines: Vec<&str> = printed
+        .lines()
+        .filter(|l| l.starts_with("consumers "))
+        .collect();
+    assert_eq!(lines.len(), 2, "{printed}");
 }

@@ -295,6 +295,8 @@ async fn runs_in_order(pool: PgPool, mode: Mode) {
             .unwrap();
         }
     };
+    // The last job enqueued before the route went to the broker.
+    let mut broker_from = i64::MAX;
     match mode {
         Mode::Db => enqueue_ordered(&pool, jobs, keys).await,
         Mode::Dual(s) | Mode::Broker(s) => {
@@ -308,36 +310,37 @@ async fn runs_in_order(pool: PgPool, mode: Mode) {
         }
         Mode::Move(s) => {
             // A third of the jobs enqueued on each route, the route changing
-            // while the earlier ones run.
+            // while the earlier ones run: the producer waits for each change.
             let third = jobs / 3;
+            let (enqueued, mut thirds) = tokio::sync::mpsc::channel::<()>(1);
+            let (changed, mut go) = tokio::sync::mpsc::channel::<()>(1);
             let producer = {
                 let pool = pool.clone();
                 tokio::spawn(async move {
                     let mut conn = pool.acquire().await.unwrap();
+                    let mut changes = 0;
                     for start in (0..jobs).step_by(100) {
+                        if changes < 2 && start >= (changes + 1) * third {
+                            enqueued.send(()).await.unwrap();
+                            go.recv().await.unwrap();
+                            changes += 1;
+                        }
                         let batch: Vec<NewJob> = (start..(start + 100).min(jobs))
                             .map(|n| {
                                 NewJob::new(KIND).payload(json!({ "k": key_of(n, keys), "n": n }))
                             })
                             .collect();
                         queue::enqueue_many(&mut conn, &batch).await.unwrap();
-                        tokio::task::yield_now().await;
                     }
                 })
             };
-            let enqueued = |n: i64| {
-                let pool = pool.clone();
-                async move {
-                    eventually("enqueues", Duration::from_secs(120), || async {
-                        count(&pool, "SELECT count(*) FROM almanac.jobs").await >= n
-                    })
-                    .await;
-                }
-            };
-            enqueued(third).await;
+            thirds.recv().await.unwrap();
             route(RouteMode::Dual, Some(s), Some(destination.clone())).await;
-            enqueued(2 * third).await;
+            changed.send(()).await.unwrap();
+            thirds.recv().await.unwrap();
             route(RouteMode::Broker, None, None).await;
+            broker_from = count(&pool, "SELECT max(id) FROM almanac.jobs").await;
+            changed.send(()).await.unwrap();
             producer.await.unwrap();
         }
     }
@@ -361,6 +364,25 @@ async fn runs_in_order(pool: PgPool, mode: Mode) {
         assert_eq!(
             runners, 2,
             "both workers and consumers ran jobs across the move"
+        );
+        // The last third was enqueued on the broker route: only consumers ran it.
+        let after: Vec<(i32, i64)> = sqlx::query_as(
+            "SELECT runner, count(DISTINCT job_id) FROM order_log WHERE job_id > $1 GROUP BY 1 ORDER BY 1",
+        )
+        .bind(broker_from)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let last_third = count(
+            &pool,
+            &format!("SELECT count(*) FROM almanac.jobs WHERE id > {broker_from}"),
+        )
+        .await;
+        assert!(last_third >= jobs / 4, "{last_third} jobs after the move");
+        assert_eq!(
+            after,
+            [(1, last_third)],
+            "jobs enqueued after the move to the broker, by runner (0: worker, 1: consumer)"
         );
     }
 }

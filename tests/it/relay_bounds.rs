@@ -250,6 +250,118 @@ async fn a_rabbitmq_alarm_blocks_the_relay_without_hanging_it(pool: PgPool) {
 /// publishes them; when the link thaws, the frozen relay's frames arrive
 /// too. No job is lost, none is recorded published twice, none arrives
 /// more than twice.
+/// Issue #20, item 5, the other way out of an alarm: it clears while the
+/// same relay process runs (a batch caught by it was given up at its ack
+/// deadline, and is sent again). The relay takes up where it stopped, a
+/// destination first routed during the alarm is declared and served, and
+/// no job arrives more than twice or is recorded published twice.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_rabbitmq_alarm_that_clears_under_a_running_relay_costs_at_most_one_copy(pool: PgPool) {
+    brokers::rabbitmq_alone();
+    let queue_name =
+        brokers::route_to_fresh(&pool, "alarm", RouteMode::Broker, SinkKind::Rabbitmq).await;
+    enqueue(&pool, "alarm", "before", 10).await;
+    let http = free_addr();
+    let mut relay = relay_process(&pool, &http);
+    eventually(
+        "the jobs enqueued before the alarm published",
+        Duration::from_secs(30),
+        || async { published_jobs(&pool).await == 10 },
+    )
+    .await;
+
+    let alarm = MemoryAlarm::raise();
+    enqueue(&pool, "alarm", "during", 20).await;
+    // A kind routed during the alarm to a queue nobody declared yet: the
+    // relay declares it under its deadline too.
+    let late_queue = unique("late");
+    sqlx::query(
+        "INSERT INTO almanac.routes (kind, mode, sink, destination) VALUES ('late', 'broker', 'rabbitmq', $1)",
+    )
+    .bind(&late_queue)
+    .execute(&pool)
+    .await
+    .unwrap();
+    enqueue(&pool, "late", "late", 5).await;
+    eventually(
+        "/metrics to say the relay is blocked",
+        Duration::from_secs(30),
+        || async { metric(&http, "almanac_relay_broker_blocked").await == Some(1.0) },
+    )
+    .await;
+    // A batch caught by the alarm is given up at its ack deadline (2 s)
+    // and its rows wait for a retry: the alarm clears after that.
+    eventually(
+        "a batch given up under the alarm",
+        Duration::from_secs(30),
+        || async {
+            count(
+                &pool,
+                "SELECT count(*) FROM almanac.outbox WHERE attempts > 0",
+            )
+            .await
+                > 0
+        },
+    )
+    .await;
+    assert_eq!(
+        published_jobs(&pool).await,
+        10,
+        "nothing published while blocked"
+    );
+    drop(alarm);
+
+    eventually(
+        "every job published after the alarm, by the same relay",
+        Duration::from_secs(60),
+        || async {
+            let unpublished = count(&pool, "SELECT count(*) FROM almanac.outbox").await;
+            let published = published_jobs(&pool).await;
+            if unpublished == 0 && published == 35 {
+                Ok(())
+            } else {
+                Err(format!("{published} published, {unpublished} rows left"))
+            }
+        },
+    )
+    .await;
+    eventually(
+        "/metrics to say the relay is no longer blocked",
+        Duration::from_secs(30),
+        || async { metric(&http, "almanac_relay_broker_blocked").await == Some(0.0) },
+    )
+    .await;
+    assert!(
+        relay.try_wait().unwrap().is_none(),
+        "the relay kept running"
+    );
+    // SAFETY: signals a child process this test spawned.
+    unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
+    assert_eq!(relay.wait().unwrap().code(), Some(0));
+    assert_eq!(marked_twice(&pool).await, Vec::<i64>::new());
+
+    for (queue, keys) in [
+        (
+            &queue_name,
+            (0..10)
+                .map(|i| format!("before:{i}"))
+                .chain((0..20).map(|i| format!("during:{i}")))
+                .collect::<Vec<_>>(),
+        ),
+        (&late_queue, (0..5).map(|i| format!("late:{i}")).collect()),
+    ] {
+        let copies = copies(queue).await;
+        for key in &keys {
+            let n = copies.get(key).copied().unwrap_or(0);
+            assert!(
+                (1..=2).contains(&n),
+                "job {key} arrived {n} times (at most one extra copy): {copies:?}"
+            );
+        }
+        assert_eq!(copies.len(), keys.len(), "{copies:?}");
+    }
+}
+
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_batch_held_by_a_frozen_broker_is_given_up_within_its_lease(pool: PgPool) {
     let lease = Duration::from_secs(3);

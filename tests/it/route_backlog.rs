@@ -5,6 +5,7 @@
 //! completions. The million-job version is `#[ignore]`d; `cargo test` runs
 //! it at 100,000.
 
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::harness::brokers;
 use crate::harness::{self, count, eventually, log_exec};
 
 fn config(concurrency: usize, lease: Duration) -> WorkerConfig {
@@ -100,8 +102,47 @@ async fn running(pool: &PgPool) -> i64 {
     .await
 }
 
+/// `almanac run --roles scheduler,relay`: a schedule firing every second,
+/// and a relay for RabbitMQ, on `pool`'s database.
+fn scheduler_and_relay(pool: &PgPool, dir: &std::path::Path) -> std::process::Child {
+    std::fs::write(
+        dir.join("every-second.toml"),
+        "[every-second]\ncron = \"* * * * * *\"\ntimezone = \"UTC\"\nkind = \"tick\"\n",
+    )
+    .unwrap();
+    harness::almanac()
+        .args(["run", "--roles", "scheduler,relay", "--amqp-url"])
+        .arg(brokers::amqp_url())
+        .arg("--schedules")
+        .arg(dir)
+        .args([
+            "--http-addr",
+            &format!("127.0.0.1:{}", harness::free_port()),
+        ])
+        .env("DATABASE_URL", harness::database_url(pool))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The database's clock.
+async fn db_now(pool: &PgPool) -> chrono::DateTime<chrono::Utc> {
+    sqlx::query_scalar("SELECT now()")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
     harness::create_exec_log(&pool).await;
+    // Beside the change: a scheduler ticking every second, and a relay
+    // publishing another kind's jobs to RabbitMQ (the big kind moves to a
+    // Kafka destination no relay here serves, so its 100,000 rows wait).
+    let side = brokers::route_to_fresh(&pool, "side", RouteMode::Dual, SinkKind::Rabbitmq).await;
+    let dir = std::env::temp_dir().join(brokers::unique("route-backlog"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut others = scheduler_and_relay(&pool, &dir);
     future_backlog(&pool, "big", backlog).await;
     let mut conn = pool.acquire().await.unwrap();
     let due: Vec<NewJob> = (0..8)
@@ -130,6 +171,23 @@ async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
         running(&pool).await == 16
     })
     .await;
+    queue::enqueue(&mut conn, &NewJob::new("side"))
+        .await
+        .unwrap();
+    eventually(
+        "the scheduler ticking and the relay publishing",
+        Duration::from_secs(60),
+        || async {
+            count(&pool, "SELECT count(*) FROM almanac.schedule_runs").await > 0
+                && count(
+                    &pool,
+                    "SELECT count(*) FROM almanac.outbox WHERE sink = 'rabbitmq'",
+                )
+                .await
+                    == 0
+        },
+    )
+    .await;
 
     // Enqueues of the kind go on during the change: none waits long.
     let enqueuing = CancellationToken::new();
@@ -147,6 +205,9 @@ async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
                 let started = Instant::now();
                 queue::enqueue(&mut conn, &job).await.unwrap();
                 slowest = slowest.max(started.elapsed());
+                queue::enqueue(&mut conn, &NewJob::new("side"))
+                    .await
+                    .unwrap();
                 n += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -154,18 +215,48 @@ async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
         })
     };
 
-    let started = Instant::now();
+    let (started, from) = (Instant::now(), db_now(&pool).await);
     let change = routes::set(
         &mut conn,
         "big",
         RouteMode::Dual,
-        Some(SinkKind::Rabbitmq),
+        Some(SinkKind::Kafka),
         Some("big-backlog"),
     )
     .await
     .unwrap();
-    let took = started.elapsed();
+    let (took, to) = (started.elapsed(), db_now(&pool).await);
     enqueuing.cancel();
+    // The scheduler ticked and the relay published all along: a ledger
+    // row recorded by a tick for (about) every second of the change, and
+    // batches published in each of its halves.
+    let ticks = count(
+        &pool,
+        &format!(
+            "SELECT count(*) FROM almanac.schedule_runs
+             WHERE source = 'tick' AND recorded_at >= '{from}' AND recorded_at < '{to}'"
+        ),
+    )
+    .await;
+    let seconds = (to - from).num_seconds();
+    assert!(
+        ticks >= seconds - 2,
+        "{ticks} scheduler runs during a {seconds} s change"
+    );
+    let middle = from + (to - from) / 2;
+    for (a, b) in [(from, middle), (middle, to)] {
+        let batches = count(
+            &pool,
+            &format!(
+                "SELECT count(*) FROM almanac.outbox_batches WHERE published_at >= '{a}' AND published_at < '{b}'"
+            ),
+        )
+        .await;
+        assert!(
+            batches > 0 || (b - a).num_milliseconds() < 1_000,
+            "the relay published nothing between {a} and {b} (a {took:?} change)"
+        );
+    }
     let (enqueued, slowest) = enqueuer.await.unwrap();
     println!(
         "route set moved {} ready jobs in {took:?}; {enqueued} enqueues meanwhile, the slowest {slowest:?}",
@@ -192,7 +283,20 @@ async fn route_change_of_a_big_backlog(pool: PgPool, backlog: i64) {
             "SELECT count(*) FROM almanac.jobs WHERE kind = 'big' AND status = 'ready'"
         )
         .await,
-        count(&pool, "SELECT count(DISTINCT job_id) FROM almanac.outbox").await
+        count(
+            &pool,
+            "SELECT count(DISTINCT job_id) FROM almanac.outbox WHERE sink = 'kafka'"
+        )
+        .await
+    );
+    // SAFETY: signals a child process this test spawned.
+    unsafe { libc::kill(others.id() as i32, libc::SIGTERM) };
+    assert_eq!(others.wait().unwrap().code(), Some(0));
+    assert!(
+        brokers::read_to_end(SinkKind::Rabbitmq, &side, Duration::from_secs(30))
+            .await
+            .len()
+            > 1
     );
 
     // The running jobs kept their leases all along: each ran once.
