@@ -68,6 +68,9 @@ pub struct BackfillArgs {
     max_active: Option<std::num::NonZeroU32>,
     #[arg(long)]
     json: bool,
+    /// Each emitted run gets its `almanac.schedule.run` span, its job's trace.
+    #[command(flatten)]
+    tracing: super::tracing_flags::TracingFlags,
 }
 
 /// Where an interrupted backfill continues: the first run not handled, as
@@ -96,6 +99,7 @@ pub struct GapsArgs {
 
 pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
     let (schedule, from, to) = args.range.resolve(ctx)?;
+    let tracer = args.tracing.tracer(ctx)?;
     let pool = if args.dry_run {
         ctx.pool().await?
     } else {
@@ -119,7 +123,7 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
     // How far it got, for the line Ctrl-C prints.
     let reached: std::cell::RefCell<(u64, u64, Option<String>)> = Default::default();
     let mut waiting = false;
-    let work = reprocess::run(&mut conn, &schedule, range, options, |p| match p {
+    let work = reprocess::run(&mut conn, &schedule, range, options, &tracer, |p| match p {
         Progress::Step { done, total, next } => {
             *reached.borrow_mut() = (done, total, next.map(resume_at));
             if total >= 5_000 || args.max_active.is_some() {
@@ -153,6 +157,7 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
         report = work => match report {
             Ok(report) => report,
             Err(err) => {
+                super::flush_spans(&tracer).await;
                 if let (Reprocess::All, (done, total, Some(next))) = (args.reprocess, &*reached.borrow()) {
                     eprintln!();
                     eprintln!(
@@ -177,6 +182,7 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
             std::process::exit(130);
         }
     };
+    super::flush_spans(&tracer).await;
     if args.json {
         println!(
             "{}",

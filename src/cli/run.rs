@@ -188,7 +188,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if let Some(server) = http {
         let ui = args.ui.config(ctx, &server);
         let server = server
-            .mount(crate::ui::router(&pool, ui))
+            .mount(crate::ui::router_traced(&pool, ui, tracer.clone()))
             .with_metrics(metrics.clone());
         supervisor.spawn(RoleName::Http, server.run(supervisor.token()));
     }

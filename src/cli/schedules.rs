@@ -64,6 +64,9 @@ enum SchedulesCommand {
         logical_run: Option<String>,
         #[command(flatten)]
         schedules: SchedulesDir,
+        /// The emitted run gets its `almanac.schedule.run` span, its job's trace.
+        #[command(flatten)]
+        tracing: super::tracing_flags::TracingFlags,
     },
     /// The runs in [FROM, TO) of a schedule or of an expression.
     Preview {
@@ -181,11 +184,22 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             name,
             logical_run,
             schedules,
+            tracing,
         } => {
             let schedule = schedules.find(ctx, &name)?;
+            let tracer = tracing.tracer(ctx)?;
             let pool = ctx.migrated_pool(1).await?;
             let mut conn = pool.acquire().await?;
-            match control::schedules::trigger(&mut conn, &Actor::os_user(), &schedule, logical_run.as_deref()).await? {
+            let triggered = control::schedules::trigger(
+                &mut conn,
+                &Actor::os_user(),
+                &schedule,
+                logical_run.as_deref(),
+                &tracer,
+            )
+            .await;
+            super::flush_spans(&tracer).await;
+            match triggered? {
                 Triggered::Emitted { run, job_id } => {
                     println!("{name}: emitted logical run {} as job {job_id}", run.logical_run)
                 }

@@ -65,9 +65,10 @@ pub async fn trigger(
     actor: &Actor,
     schedule: &Schedule,
     logical_run: Option<&str>,
+    tracer: &crate::telemetry::Tracer,
 ) -> Result<Triggered, ControlError> {
     let mut tx = conn.begin().await?;
-    let triggered = controls::trigger(&mut tx, schedule, logical_run).await?;
+    let triggered = controls::trigger(&mut tx, schedule, logical_run, tracer).await?;
     let (count, note) = match &triggered {
         Triggered::Emitted { run, job_id } => (
             1,

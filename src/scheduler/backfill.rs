@@ -130,7 +130,8 @@ pub struct Range {
 }
 
 /// Emits the runs with `from <= fire_at < to` that have no job yet
-/// ([`reprocess::run`] with `--reprocess missing`, the default).
+/// ([`reprocess::run`] with `--reprocess missing`, the default, and no
+/// tracer: `almanac backfill` calls that with its own).
 /// `progress(done, total)` is called after each chunk.
 pub async fn backfill(
     conn: &mut PgConnection,
@@ -138,7 +139,8 @@ pub async fn backfill(
     range: Range,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<BackfillReport, BackfillError> {
-    reprocess::run(conn, schedule, range, Options::default(), |p| {
+    let off = crate::telemetry::Tracer::off();
+    reprocess::run(conn, schedule, range, Options::default(), &off, |p| {
         if let Progress::Step { done, total, .. } = p {
             progress(done, total)
         }

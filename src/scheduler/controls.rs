@@ -29,6 +29,7 @@ use super::ledger::{self, LedgerError, Spell};
 use super::plan::{self, Decision, Planned, Source};
 use super::spec::Schedule;
 use super::timeline::Run;
+use crate::telemetry::Tracer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -238,11 +239,13 @@ pub fn find_run(schedule: &Schedule, name: &str, now: DateTime<Utc>) -> Result<R
 }
 
 /// Emits one run of `schedule` now (see the module doc): `logical_run`, or
-/// the most recent due run.
+/// the most recent due run; an emitted run gets its
+/// `almanac.schedule.run` span in `tracer` (docs/tracing.md).
 pub async fn trigger(
     conn: &mut PgConnection,
     schedule: &Schedule,
     logical_run: Option<&str>,
+    tracer: &Tracer,
 ) -> Result<Triggered, ControlError> {
     let now = db_now(conn).await?;
     let run = match logical_run {
@@ -261,7 +264,7 @@ pub async fn trigger(
         source: Source::Trigger,
         decision: Decision::Emit,
     };
-    let recorded = ledger::record(conn, &[(schedule, &planned)], false, true).await?;
+    let recorded = ledger::record(conn, &[(schedule, &planned)], false, true, tracer).await?;
     let (source, job_id): (String, Option<i64>) = sqlx::query_as(
         "SELECT source, job_id FROM almanac.schedule_runs WHERE schedule = $1 AND logical_run = $2",
     )

@@ -286,12 +286,13 @@ pub async fn record(
     batch: &[(&Schedule, &Planned)],
     overlap: bool,
     emit_skipped: bool,
+    tracer: &Tracer,
 ) -> Result<Recorded, LedgerError> {
     if batch.is_empty() {
         return Ok(Recorded::default());
     }
     let mut tx = super::begin(&mut *conn).await?;
-    let report = record_in(&mut tx, batch, overlap, emit_skipped, &Tracer::off()).await?;
+    let report = record_in(&mut tx, batch, overlap, emit_skipped, tracer).await?;
     tx.commit().await?;
     Ok(report)
 }

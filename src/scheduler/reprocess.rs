@@ -354,6 +354,7 @@ pub async fn run(
     schedule: &Schedule,
     range: Range,
     options: Options,
+    tracer: &crate::telemetry::Tracer,
     mut progress: impl FnMut(Progress<'_>),
 ) -> Result<BackfillReport, BackfillError> {
     let Range {
@@ -469,7 +470,7 @@ pub async fn run(
             .map(|(run, _)| *run)
             .collect();
         let r = replace(&mut tx, schedule, mode, &to_replace).await?;
-        recorded.add(ledger::record(&mut tx, &batch, false, true).await?);
+        recorded.add(ledger::record(&mut tx, &batch, false, true, tracer).await?);
         tx.commit().await.map_err(LedgerError::from)?;
         not_replaced += to_replace.len() as u64 - r.total();
         replaced.dead += r.dead;

@@ -235,12 +235,17 @@ pub(super) async fn trigger_schedule(
     let logical_run = logical_run
         .map(|r| r.trim().to_string())
         .filter(|r| !r.is_empty());
+    let tracer = ui.tracer.clone();
     act(ui, move |mut conn| async move {
         let schedule = super::schedules::synced(&mut conn, &name).await?;
-        Ok(
-            control::schedules::trigger(&mut conn, &actor, &schedule, logical_run.as_deref())
-                .await?,
+        Ok(control::schedules::trigger(
+            &mut conn,
+            &actor,
+            &schedule,
+            logical_run.as_deref(),
+            &tracer,
         )
+        .await?)
     })
     .await
 }

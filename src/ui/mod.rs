@@ -88,10 +88,18 @@ struct Ui {
     pool: PgPool,
     actions: bool,
     csrf: Arc<str>,
+    /// Schedule runs triggered here get their spans in it.
+    tracer: crate::telemetry::Tracer,
 }
 
 /// The dashboard's routes, to mount on the HTTP server.
 pub fn router(pool: &PgPool, config: UiConfig) -> Router {
+    router_traced(pool, config, crate::telemetry::Tracer::off())
+}
+
+/// [`router`], a run triggered from the dashboard or the API getting its
+/// `almanac.schedule.run` span in `tracer`.
+pub fn router_traced(pool: &PgPool, config: UiConfig, tracer: crate::telemetry::Tracer) -> Router {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(std::time::Duration::from_secs(3))
@@ -100,6 +108,7 @@ pub fn router(pool: &PgPool, config: UiConfig) -> Router {
         pool,
         actions: config.actions,
         csrf: new_token().into(),
+        tracer,
     };
     Router::new()
         .route("/", get(overview::page))

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use almanac::queue::{self, Claim, Job, NewJob, PRIORITY_STEP};
 use almanac::scheduler::spec::{load_sources, Schedule};
+use almanac::telemetry::Tracer;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
@@ -482,7 +483,7 @@ async fn every_job_a_schedule_emits_carries_its_priority(pool: PgPool) {
     // A trigger of a past run and a backfill of the hour before the first.
     let before = first - minutes(30);
     let run = hot.next_after(before).unwrap();
-    controls::trigger(&mut conn, hot, Some(&run.logical_run))
+    controls::trigger(&mut conn, hot, Some(&run.logical_run), &Tracer::off())
         .await
         .unwrap();
     let range = Range {
@@ -539,9 +540,14 @@ async fn every_job_a_schedule_emits_carries_its_priority(pool: PgPool) {
     assert_eq!(stored.priority, 7);
     let stored = stored.schedule().unwrap();
     let earlier = stored.next_after(first - minutes(90)).unwrap();
-    controls::trigger(&mut conn, &stored, Some(&earlier.logical_run))
-        .await
-        .unwrap();
+    controls::trigger(
+        &mut conn,
+        &stored,
+        Some(&earlier.logical_run),
+        &Tracer::off(),
+    )
+    .await
+    .unwrap();
     let hot_jobs = emitted(&pool, "hot").await;
     assert_eq!(hot_jobs.len(), 10, "{hot_jobs:?}");
     assert!(hot_jobs.iter().all(|(_, p)| *p == 7), "{hot_jobs:?}");

@@ -761,6 +761,7 @@ async fn a_retry_and_a_reprocess_of_one_run_never_both_revive_it(pool: PgPool) {
                 &schedule,
                 range,
                 options,
+                &almanac::telemetry::Tracer::off(),
                 |_| {},
             )
             .await

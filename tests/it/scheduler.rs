@@ -7,6 +7,7 @@ use std::time::Duration;
 use almanac::scheduler::spec::{load_sources, Schedule};
 use almanac::scheduler::ticker::Ticker;
 use almanac::scheduler::{backfill, history};
+use almanac::telemetry::Tracer;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
@@ -1115,9 +1116,13 @@ async fn trigger_emits_one_job_per_logical_run_however_often_it_is_called(pool: 
     let name_at = |m: i64| s.next_after(min(m) - chrono::Duration::seconds(1)).unwrap();
     let five = name_at(5).logical_run;
 
-    let first = controls::trigger(&mut conn, s, Some(&five)).await.unwrap();
+    let first = controls::trigger(&mut conn, s, Some(&five), &Tracer::off())
+        .await
+        .unwrap();
     assert!(matches!(first, Triggered::Emitted { ref run, .. } if run.logical_run == five));
-    let second = controls::trigger(&mut conn, s, Some(&five)).await.unwrap();
+    let second = controls::trigger(&mut conn, s, Some(&five), &Tracer::off())
+        .await
+        .unwrap();
     assert!(
         matches!(second, Triggered::Existed { ref source, job_id: Some(_), .. } if source == "trigger")
     );
@@ -1125,9 +1130,10 @@ async fn trigger_emits_one_job_per_logical_run_however_often_it_is_called(pool: 
     // Two callers at once.
     let ten = name_at(10).logical_run;
     let (mut a, mut b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    let off = Tracer::off();
     let (x, y) = tokio::join!(
-        controls::trigger(&mut a, s, Some(&ten)),
-        controls::trigger(&mut b, s, Some(&ten))
+        controls::trigger(&mut a, s, Some(&ten), &off),
+        controls::trigger(&mut b, s, Some(&ten), &off)
     );
     let emitted = [x.unwrap(), y.unwrap()]
         .iter()
@@ -1151,12 +1157,16 @@ async fn trigger_emits_one_job_per_logical_run_however_often_it_is_called(pool: 
     }
 
     // Without a name: the most recent due run, once.
-    let latest = controls::trigger(&mut conn, s, None).await.unwrap();
+    let latest = controls::trigger(&mut conn, s, None, &Tracer::off())
+        .await
+        .unwrap();
     let Triggered::Emitted { run, .. } = latest else {
         panic!("{latest:?}")
     };
     assert!(run.fire_at < f);
-    let again = controls::trigger(&mut conn, s, None).await.unwrap();
+    let again = controls::trigger(&mut conn, s, None, &Tracer::off())
+        .await
+        .unwrap();
     assert!(matches!(again, Triggered::Existed { run: ref r, .. } if *r == run));
 
     // Jobs: f (tick), +5m, +10m, the latest due: each once, each due now.
@@ -1170,7 +1180,7 @@ async fn trigger_emits_one_job_per_logical_run_however_often_it_is_called(pool: 
         1,
         "only the tick's own run at f waits for its time"
     );
-    let bad = controls::trigger(&mut conn, s, Some("2026-03-08"))
+    let bad = controls::trigger(&mut conn, s, Some("2026-03-08"), &Tracer::off())
         .await
         .unwrap_err()
         .to_string();

@@ -714,6 +714,79 @@ async fn tracing_a_schedule_s_logical_run_has_a_span_its_job_joins(pool: PgPool)
     );
 }
 
+/// Runs recorded by `almanac backfill` and `almanac schedules trigger`
+/// get their `almanac.schedule.run` span too, exported before the command
+/// exits, and each emitted job carries its run's context.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn tracing_backfilled_and_triggered_runs_have_their_spans(pool: PgPool) {
+    let (receiver, addr) = Receiver::start().await;
+    let dir = std::env::temp_dir().join(unique("traced-backfill"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("s.toml"),
+        format!("[hourly]\ncron = \"0 * * * *\"\ntimezone = \"UTC\"\nkind = \"{KIND}\"\n"),
+    )
+    .unwrap();
+    let url = harness::database_url(&pool);
+    let endpoint = format!("http://{addr}");
+    // Waited for off the runtime's thread, which serves the receiver.
+    let cli = |args: &[&str]| {
+        let mut command = harness::almanac();
+        command
+            .args(args)
+            .arg("--schedules")
+            .arg(&dir)
+            .args(["--otlp-endpoint", &endpoint])
+            .env("DATABASE_URL", &url);
+        let shown = format!("{args:?}");
+        async move {
+            let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+                .await
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{shown}: {}",
+                harness::text(&out.stderr)
+            );
+        }
+    };
+    // The runs of three hours two days ago; then the latest due run.
+    let from = (chrono::Utc::now() - chrono::Duration::days(2))
+        .format("%Y-%m-%dT%H:00:00Z")
+        .to_string();
+    let to = (chrono::Utc::now() - chrono::Duration::days(2) + chrono::Duration::hours(3))
+        .format("%Y-%m-%dT%H:00:00Z")
+        .to_string();
+    cli(&["backfill", "hourly", "--from", &from, "--to", &to]).await;
+    cli(&["schedules", "trigger", "hourly"]).await;
+    // Exported before each command exited: no waiting here.
+    let runs = receiver.named("almanac.schedule.run");
+    let jobs: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT logical_run, traceparent FROM almanac.jobs ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(
+        jobs.len() >= 4,
+        "three or more backfilled and one triggered: {jobs:?}"
+    );
+    assert_eq!(runs.len(), jobs.len(), "{runs:?}");
+    for (run, traceparent) in &jobs {
+        let span = runs
+            .iter()
+            .find(|s| s.text("almanac.logical_run") == Some(run.as_str()))
+            .unwrap_or_else(|| panic!("no span for run {run}: {runs:?}"));
+        assert_eq!(span.text("almanac.schedule"), Some("hourly"));
+        assert_eq!(span.parent, None, "a logical run starts its trace");
+        assert_eq!(
+            traceparent.as_deref(),
+            Some(format!("00-{}-{}-01", span.trace_id, span.span_id).as_str()),
+            "job of run {run}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `almanac work` with `OTEL_EXPORTER_OTLP_ENDPOINT` (holding a password):
 /// its command sees `TRACEPARENT`, the execution span joins the job's
 /// enqueue trace, the spans reach the collector by SIGTERM (flushed at
