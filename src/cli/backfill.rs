@@ -99,7 +99,7 @@ pub struct GapsArgs {
 
 pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
     let (schedule, from, to) = args.range.resolve(ctx)?;
-    let tracer = args.tracing.tracer(ctx)?;
+    let tracer = args.tracing.tracer_or_off(ctx);
     let pool = if args.dry_run {
         ctx.pool().await?
     } else {
@@ -179,6 +179,8 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
                     _ => String::new(),
                 }
             );
+            // The runs already committed keep their spans (their jobs name them).
+            super::flush_spans(&tracer).await;
             std::process::exit(130);
         }
     };

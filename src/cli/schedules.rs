@@ -187,7 +187,7 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
             tracing,
         } => {
             let schedule = schedules.find(ctx, &name)?;
-            let tracer = tracing.tracer(ctx)?;
+            let tracer = tracing.tracer_or_off(ctx);
             let pool = ctx.migrated_pool(1).await?;
             let mut conn = pool.acquire().await?;
             let triggered = control::schedules::trigger(

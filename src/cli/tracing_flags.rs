@@ -1,4 +1,5 @@
-//! The tracing flags `run`, `work` and `consume` share (docs/tracing.md):
+//! The tracing flags `run`, `work`, `consume`, `backfill` and `schedules
+//! trigger` share (docs/tracing.md):
 //! the OTLP endpoint and the sampling ratio, with OpenTelemetry's own
 //! variables as their environment.
 
@@ -15,6 +16,17 @@ pub struct TracingFlags {
 }
 
 impl TracingFlags {
+    /// [`TracingFlags::tracer`] for a one-shot command (`backfill`,
+    /// `schedules trigger`): settings that cannot make a tracer (an
+    /// `OTEL_*` variable left for another program, say) are a warning and
+    /// no tracing, never a command that does not run.
+    pub fn tracer_or_off(&self, ctx: &super::Ctx) -> Tracer {
+        self.tracer(ctx).unwrap_or_else(|e| {
+            tracing::warn!("tracing is off for this command: {e:#}");
+            Tracer::off()
+        })
+    }
+
     /// The tracer these flags (or `[tracing]`) configure; off without an
     /// endpoint. `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (the traces path
     /// itself) wins over both, `OTEL_SERVICE_NAME` names the service.

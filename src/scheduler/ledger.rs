@@ -369,7 +369,10 @@ pub async fn record_in(
             span.attr("almanac.schedule.source", planned.source.as_str());
             span.attr("almanac.schedule.outcome", outcome);
             traceparents.push((outcome == "emitted").then(|| span.traceparent()));
-            spans.push(span);
+            spans.push((
+                (schedule.name.as_str(), planned.run.logical_run.as_str()),
+                span,
+            ));
         }
     }
     let on_conflict = if emit_skipped {
@@ -379,7 +382,7 @@ pub async fn record_in(
     } else {
         "DO NOTHING"
     };
-    let counts: Vec<(String, String, bool, i64)> = sqlx::query_as(&format!(
+    let counts: Vec<(String, String, bool, i64, Vec<String>)> = sqlx::query_as(&format!(
         r#"
         WITH planned AS (
             SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],
@@ -412,7 +415,9 @@ pub async fn record_in(
         ), notified AS (
             SELECT pg_notify($10, k.kind) FROM (SELECT DISTINCT kind FROM emitted) k
         )
-        SELECT schedule, outcome, was_there, count(*) FROM recorded
+        SELECT schedule, outcome, was_there, count(*),
+               CASE WHEN $13 THEN array_agg(logical_run) ELSE '{{}}' END
+        FROM recorded
         WHERE (SELECT count(*) FROM notified) >= 0
         GROUP BY schedule, outcome, was_there
         "#
@@ -429,15 +434,31 @@ pub async fn record_in(
     .bind(queue::NOTIFY_CHANNEL)
     .bind(&priorities)
     .bind(&traceparents)
+    .bind(tracer.is_on())
     .fetch_all(&mut *tx)
     .await?;
-    // Ended once the statement ran (a transaction rolled back later leaves
-    // a span whose job does not exist; its run is recorded again later).
-    for span in spans {
-        tracer.end(span);
+    // The spans of the runs this statement wrote are ended (exported); a
+    // run already recorded (a second trigger, a race with the scheduler)
+    // drops its span unexported. Ended once the statement ran: a
+    // transaction rolled back later leaves a span whose run does not exist
+    // (the scheduler records the run again later under a new span; a
+    // trigger or backfill only when run again).
+    if !spans.is_empty() {
+        let wrote: HashSet<(&str, &str)> = counts
+            .iter()
+            .flat_map(|(schedule, _, _, _, runs)| {
+                runs.iter()
+                    .map(move |run| (schedule.as_str(), run.as_str()))
+            })
+            .collect();
+        for (key, span) in spans {
+            if wrote.contains(&key) {
+                tracer.end(span);
+            }
+        }
     }
     let mut written = 0;
-    for (schedule, outcome, was_there, count) in counts {
+    for (schedule, outcome, was_there, count, _) in counts {
         let count = count as u64;
         written += count;
         match (outcome.as_str(), was_there) {

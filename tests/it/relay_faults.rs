@@ -544,8 +544,12 @@ async fn rabbitmq_rows_whose_destination_cannot_be_created_fail_after_max_attemp
 /// Issue #20 item 6: a relay whose sink is down reads its notifications
 /// all the same, so PostgreSQL's cluster-wide NOTIFY queue never fills:
 /// `rate` routed enqueues a second (one a transaction, one notification
-/// each) for `seconds`, RabbitMQ cut meanwhile; every notification is read,
-/// `pg_notification_queue_usage()` sampled every 250 ms stays under 1%,
+/// each) for `seconds`, RabbitMQ cut meanwhile and the relay waiting out a
+/// 30 s backoff after its first failure. Sampled every 250 ms, the relay is
+/// never more than 1,000 notifications behind the commits (a relay that
+/// read only between backoffs would be thousands behind) and
+/// `pg_notification_queue_usage()` stays under 1% (the issue's figure; a
+/// fraction of an 8 GB queue, so it only says the queue is far from full);
 /// nothing is published through the cut link, and everything is once it is
 /// back.
 async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
@@ -553,6 +557,9 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
     rate: u64,
     seconds: u64,
 ) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
     use almanac::metrics::{Metrics, SinkLabel};
     use almanac::role::Role;
     use tokio_util::sync::CancellationToken;
@@ -575,12 +582,21 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
     )
     .await
     .unwrap();
+    drop(conn);
     let metrics = Metrics::new();
     let stop = CancellationToken::new();
+    let config = almanac::relay::RelayConfig {
+        retry: almanac::queue::Backoff {
+            base: Duration::from_secs(30),
+            max: Duration::from_secs(30),
+            jitter: 0.1,
+        },
+        ..brokers::relay_config()
+    };
     let relay = Relay::new(
         pool.clone(),
         Publisher::new(SinkKind::Rabbitmq, &sinks).unwrap(),
-        brokers::relay_config().validated().unwrap(),
+        config.validated().unwrap(),
     )
     .with_metrics(metrics.clone());
     let relay = tokio::spawn(relay.run(stop.clone()));
@@ -588,6 +604,7 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
         sink: "rabbitmq".into(),
     };
     let read = || metrics.relay_notifications.get_or_create(&label).get();
+    let failed = || metrics.relay_failed.get_or_create(&label).get();
     eventually("the relay listening", Duration::from_secs(30), || async {
         let mut conn = pool.acquire().await.unwrap();
         almanac::stats::snapshot::unserved_routes(&mut conn)
@@ -596,40 +613,64 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
             .is_empty()
     })
     .await;
+    // A first job: its publish fails and the relay starts its backoff.
+    queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("noisy"))
+        .await
+        .unwrap();
+    eventually("the relay failing", Duration::from_secs(30), || async {
+        failed() > 0
+    })
+    .await;
     let before = read();
 
-    // Four enqueuers, each a quarter of the rate; a sampler beside them.
+    // Four enqueuers, each a quarter of the rate, their commits not waiting
+    // for the WAL flush (so the rate holds on a busy machine); a sampler
+    // beside them; each on a connection of its own (the relay has the
+    // test's pool).
+    let own = crate::harness::another_pool(&pool, 5).await;
     let total = rate * seconds;
+    let committed = Arc::new(AtomicU64::new(0));
     let started = std::time::Instant::now();
     let enqueuers: Vec<_> = (0..4)
         .map(|_| {
-            let pool = pool.clone();
+            let (pool, committed) = (own.clone(), committed.clone());
             tokio::spawn(async move {
                 let mut conn = pool.acquire().await.unwrap();
+                sqlx::query("SET synchronous_commit = off")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
                 let mut pace = tokio::time::interval(Duration::from_secs(4) / rate as u32);
                 for _ in 0..total / 4 {
                     pace.tick().await;
                     queue::enqueue(&mut conn, &NewJob::new("noisy"))
                         .await
                         .unwrap();
+                    committed.fetch_add(1, Ordering::Relaxed);
                 }
             })
         })
         .collect();
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn({
-        let (pool, sampling) = (pool.clone(), sampling.clone());
+        let (pool, sampling, committed) = (own.clone(), sampling.clone(), committed.clone());
+        let (metrics, label) = (metrics.clone(), label.clone());
         async move {
-            let mut highest = 0f64;
+            let mut conn = pool.acquire().await.unwrap();
+            let (mut highest, mut behind) = (0f64, 0u64);
             while !sampling.is_cancelled() {
+                // Commits first: a notification can be read only after its commit.
+                let sent = committed.load(Ordering::Relaxed);
+                let read = metrics.relay_notifications.get_or_create(&label).get() - before;
+                behind = behind.max(sent.saturating_sub(read));
                 let usage: f64 = sqlx::query_scalar("SELECT pg_notification_queue_usage()")
-                    .fetch_one(&pool)
+                    .fetch_one(&mut *conn)
                     .await
                     .unwrap();
                 highest = highest.max(usage);
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            highest
+            (highest, behind)
         }
     });
     for enqueuer in enqueuers {
@@ -651,20 +692,23 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
     )
     .await;
     sampling.cancel();
-    let highest = sampler.await.unwrap();
-    println!("{sent} enqueues in {took:?}; highest NOTIFY queue usage {highest}");
+    let (highest, behind) = sampler.await.unwrap();
+    println!(
+        "{sent} enqueues in {took:?}; the relay at most {behind} notifications behind; \
+         highest NOTIFY queue usage {highest}"
+    );
     assert!(
-        took < Duration::from_secs(seconds) * 3 / 2,
+        took < Duration::from_secs(seconds) * 3,
         "{sent} enqueues took {took:?}: the rate was not held"
+    );
+    assert!(
+        behind <= 1_000,
+        "the relay fell {behind} notifications behind while its sink was down"
     );
     assert!(
         highest < 0.01,
         "the NOTIFY queue was {:.3}% full",
         highest * 100.0
-    );
-    assert!(
-        metrics.relay_failed.get_or_create(&label).get() > 0,
-        "the sink was failing meanwhile"
     );
     assert_eq!(
         count(
@@ -677,13 +721,15 @@ async fn a_failing_sink_does_not_stop_the_relay_reading_its_notifications(
     );
 
     proxy.restore().await;
-    eventually("every job published once RabbitMQ is back", Duration::from_secs(120), || async {
+    // After the backoff under way (30 s), at a thousand a second at least.
+    let within = Duration::from_secs(60 + sent / 1_000);
+    eventually("every job published once RabbitMQ is back", within, || async {
         count(
             &pool,
             "SELECT coalesce(sum(cardinality(job_ids)), 0)::bigint FROM almanac.outbox_batches WHERE published_at IS NOT NULL",
         )
         .await
-            >= sent as i64
+            > sent as i64
     })
     .await;
     stop.cancel();

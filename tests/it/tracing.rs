@@ -759,6 +759,8 @@ async fn tracing_backfilled_and_triggered_runs_have_their_spans(pool: PgPool) {
         .to_string();
     cli(&["backfill", "hourly", "--from", &from, "--to", &to]).await;
     cli(&["schedules", "trigger", "hourly"]).await;
+    // The same run again: recorded already, so no job and no span.
+    cli(&["schedules", "trigger", "hourly"]).await;
     // Exported before each command exited: no waiting here.
     let runs = receiver.named("almanac.schedule.run");
     let jobs: Vec<(String, Option<String>)> =
@@ -777,6 +779,14 @@ async fn tracing_backfilled_and_triggered_runs_have_their_spans(pool: PgPool) {
             .find(|s| s.text("almanac.logical_run") == Some(run.as_str()))
             .unwrap_or_else(|| panic!("no span for run {run}: {runs:?}"));
         assert_eq!(span.text("almanac.schedule"), Some("hourly"));
+        assert_eq!(span.text("almanac.schedule.outcome"), Some("emitted"));
+        assert!(
+            matches!(
+                span.text("almanac.schedule.source"),
+                Some("backfill" | "trigger")
+            ),
+            "{span:?}"
+        );
         assert_eq!(span.parent, None, "a logical run starts its trace");
         assert_eq!(
             traceparent.as_deref(),

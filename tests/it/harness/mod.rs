@@ -76,7 +76,8 @@ impl Condition for Result<(), String> {
 pub fn almanac() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_almanac"));
     for (key, _) in std::env::vars_os() {
-        if key.to_string_lossy().starts_with("ALMANAC_") {
+        let key_text = key.to_string_lossy();
+        if key_text.starts_with("ALMANAC_") || key_text.starts_with("OTEL_") {
             cmd.env_remove(key);
         }
     }
