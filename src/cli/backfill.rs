@@ -168,17 +168,19 @@ pub async fn run_backfill(ctx: &Ctx, args: BackfillArgs) -> anyhow::Result<()> {
             }
         },
         _ = interrupt.recv() => {
-            let (done, total, next) = &*reached.borrow();
-            eprintln!();
-            eprintln!(
-                "{name}: interrupted after {done} of {total} runs; the rest were not emitted. Run the same command again to continue{}",
-                match (args.reprocess, next) {
-                    (Reprocess::All, Some(next)) => format!(
-                        " (with --reprocess all it would run the runs already re-run again: continue with --from {next}, the fire time of the first run not handled)"
-                    ),
-                    _ => String::new(),
-                }
-            );
+            {
+                let (done, total, next) = &*reached.borrow();
+                eprintln!();
+                eprintln!(
+                    "{name}: interrupted after {done} of {total} runs; the rest were not emitted. Run the same command again to continue{}",
+                    match (args.reprocess, next) {
+                        (Reprocess::All, Some(next)) => format!(
+                            " (with --reprocess all it would run the runs already re-run again: continue with --from {next}, the fire time of the first run not handled)"
+                        ),
+                        _ => String::new(),
+                    }
+                );
+            }
             // The runs already committed keep their spans (their jobs name them).
             super::flush_spans(&tracer).await;
             std::process::exit(130);
