@@ -81,7 +81,8 @@ pub struct ScheduleOutcomeLabel {
     pub outcome: String,
 }
 
-type Gauges<L> = Family<L, Gauge<f64, std::sync::atomic::AtomicU64>>;
+/// A family of gauges with labels `L` (values set from the database).
+pub type Gauges<L> = Family<L, Gauge<f64, std::sync::atomic::AtomicU64>>;
 type Histograms = Family<KindLabel, Histogram, fn() -> Histogram>;
 
 /// Every metric family almanac exports; clones share the registry and the

@@ -143,37 +143,18 @@ impl Collector {
                 .set(age);
         }
         m.expired_leases.set(s.jobs.expired_leases);
-        seen.unserved
-            .extend(s.unserved.iter().map(|u| (u.kind.clone(), u.sink.clone())));
-        for (kind, sink) in &seen.unserved {
-            let now = s
-                .unserved
-                .iter()
-                .any(|u| &u.kind == kind && &u.sink == sink);
-            m.route_unserved
-                .get_or_create(&KindSinkLabel {
-                    kind: kind.clone(),
-                    sink: sink.clone(),
-                })
-                .set(if now { 1.0 } else { 0.0 });
-        }
-        seen.unconsumed.extend(
+        flag_routes(
+            &m.route_unserved,
+            &mut seen.unserved,
+            s.unserved.iter().map(|u| (u.kind.clone(), u.sink.clone())),
+        );
+        flag_routes(
+            &m.route_unconsumed,
+            &mut seen.unconsumed,
             s.unconsumed
                 .iter()
                 .map(|g| (g.kind.clone(), g.sink.clone())),
         );
-        for (kind, sink) in &seen.unconsumed {
-            let now = s
-                .unconsumed
-                .iter()
-                .any(|g| &g.kind == kind && &g.sink == sink);
-            m.route_unconsumed
-                .get_or_create(&KindSinkLabel {
-                    kind: kind.clone(),
-                    sink: sink.clone(),
-                })
-                .set(if now { 1.0 } else { 0.0 });
-        }
         seen.paused.extend(s.paused.iter().map(|p| p.kind.clone()));
         for kind in &seen.paused {
             let now = s.paused.iter().any(|p| &p.kind == kind);
@@ -315,4 +296,24 @@ impl Periodic for Collector {
     }
 
     fn log(&self, _: &Snapshot) {}
+}
+
+/// A 0/1 gauge per (kind, sink) ever `seen`: 1 for those reported `now`,
+/// 0 for the others (so a cleared condition reads 0, not a stale 1).
+fn flag_routes(
+    gauges: &crate::metrics::Gauges<KindSinkLabel>,
+    seen: &mut BTreeSet<(String, String)>,
+    now: impl Iterator<Item = (String, String)>,
+) {
+    let now: BTreeSet<(String, String)> = now.collect();
+    seen.extend(now.iter().cloned());
+    for (kind, sink) in seen.iter() {
+        let on = now.contains(&(kind.clone(), sink.clone()));
+        gauges
+            .get_or_create(&KindSinkLabel {
+                kind: kind.clone(),
+                sink: sink.clone(),
+            })
+            .set(if on { 1.0 } else { 0.0 });
+    }
 }

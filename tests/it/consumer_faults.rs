@@ -168,36 +168,36 @@ async fn rabbitmq_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool)
     a_consumer_stopped_mid_job_finishes_or_releases_it(pool, SinkKind::Rabbitmq).await;
 }
 
+/// `jobs` of kind `task`, routed to a fresh destination on `sink` and
+/// published there by one relay pass; the destination and the jobs' ids.
+async fn routed_and_published(
+    pool: &PgPool,
+    sink: SinkKind,
+    jobs: &[NewJob],
+) -> (String, Vec<i64>) {
+    let destination = brokers::route_to_fresh(pool, "task", RouteMode::Broker, sink).await;
+    let enqueued = queue::enqueue_many(&mut pool.acquire().await.unwrap(), jobs)
+        .await
+        .unwrap();
+    let mut relay = Relay::new(
+        pool.clone(),
+        Publisher::new(sink, &brokers::sinks()).unwrap(),
+        brokers::relay_config().validated().unwrap(),
+    );
+    assert_eq!(relay.run_once().await.unwrap().published, jobs.len() as u64);
+    (destination, enqueued.iter().map(|e| e.id()).collect())
+}
+
 /// A consumer whose database path freezes for two seconds just as its
 /// handlers return: every outcome is recorded (retried with the same lease)
 /// before the message is acked, and each job runs once.
 async fn a_consumer_frozen_as_handlers_return_records_every_outcome(pool: PgPool, sink: SinkKind) {
     harness::create_exec_log(&pool).await;
     const JOBS: usize = 5;
-    let destination = unique("blip");
-    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
-    publisher.ensure(&destination).await.unwrap();
-    publisher.flush().await;
-    let mut conn = pool.acquire().await.unwrap();
-    routes::set(
-        &mut conn,
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
     let jobs: Vec<NewJob> = (0..JOBS)
         .map(|i| NewJob::new("task").idempotency_key(format!("task:{i}")))
         .collect();
-    queue::enqueue_many(&mut conn, &jobs).await.unwrap();
-    let mut relay = Relay::new(
-        pool.clone(),
-        Publisher::new(sink, &brokers::sinks()).unwrap(),
-        brokers::relay_config().validated().unwrap(),
-    );
-    assert_eq!(relay.run_once().await.unwrap().published, JOBS as u64);
+    let (destination, _) = routed_and_published(&pool, sink, &jobs).await;
 
     let proxy = harness::proxy::Proxy::postgres().await;
     let proxied = sqlx::postgres::PgPoolOptions::new()
@@ -287,30 +287,9 @@ async fn rabbitmq_consumer_frozen_as_handlers_return_records_every_outcome(pool:
 /// and runs, once, when the lock goes, instead of going dead unrun.
 async fn a_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool, sink: SinkKind) {
     harness::create_exec_log(&pool).await;
-    let destination = unique("locked");
-    let mut publisher = Publisher::new(sink, &brokers::sinks()).unwrap();
-    publisher.ensure(&destination).await.unwrap();
-    publisher.flush().await;
-    let mut conn = pool.acquire().await.unwrap();
-    routes::set(
-        &mut conn,
-        "task",
-        RouteMode::Broker,
-        Some(sink),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
-    let id = queue::enqueue(&mut conn, &NewJob::new("task").max_attempts(1))
-        .await
-        .unwrap()
-        .id();
-    let mut relay = Relay::new(
-        pool.clone(),
-        Publisher::new(sink, &brokers::sinks()).unwrap(),
-        brokers::relay_config().validated().unwrap(),
-    );
-    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    let (destination, ids) =
+        routed_and_published(&pool, sink, &[NewJob::new("task").max_attempts(1)]).await;
+    let id = ids[0];
 
     let mut holder = pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM almanac.jobs WHERE id = $1 FOR UPDATE")

@@ -58,6 +58,34 @@ async fn copies(queue: &str) -> HashMap<String, usize> {
     copies
 }
 
+/// Waits until every outbox row is published and `jobs` jobs are recorded
+/// published.
+async fn all_published(pool: &PgPool, jobs: i64, what: &str) {
+    eventually(what, Duration::from_secs(60), || async {
+        let unpublished = count(pool, "SELECT count(*) FROM almanac.outbox").await;
+        let published = published_jobs(pool).await;
+        if unpublished == 0 && published == jobs {
+            Ok(())
+        } else {
+            Err(format!("{published} published, {unpublished} rows left"))
+        }
+    })
+    .await;
+}
+
+/// Asserts `queue` holds each of `keys` once or twice, and nothing else.
+async fn at_most_one_extra_copy(queue: &str, keys: &[String]) {
+    let copies = copies(queue).await;
+    for key in keys {
+        let n = copies.get(key).copied().unwrap_or(0);
+        assert!(
+            (1..=2).contains(&n),
+            "job {key} arrived {n} times (at most one extra copy): {copies:?}"
+        );
+    }
+    assert_eq!(copies.len(), keys.len(), "{copies:?}");
+}
+
 fn free_addr() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -209,38 +237,17 @@ async fn a_rabbitmq_alarm_blocks_the_relay_without_hanging_it(pool: PgPool) {
 
     drop(alarm);
     let mut relay = relay_process(&pool, &free_addr());
-    eventually(
-        "every job published after the alarm",
-        Duration::from_secs(60),
-        || async {
-            let unpublished = count(&pool, "SELECT count(*) FROM almanac.outbox").await;
-            let published = published_jobs(&pool).await;
-            if unpublished == 0 && published == 41 {
-                Ok(())
-            } else {
-                Err(format!("{published} published, {unpublished} rows left"))
-            }
-        },
-    )
-    .await;
+    all_published(&pool, 41, "every job published after the alarm").await;
     // SAFETY: as above.
     unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
     assert_eq!(relay.wait().unwrap().code(), Some(0));
     assert_eq!(marked_twice(&pool).await, Vec::<i64>::new());
 
-    let copies = copies(&queue_name).await;
     let keys: Vec<String> = (0..20)
         .flat_map(|i| [format!("before:{i}"), format!("during:{i}")])
         .chain(["stray".to_string()])
         .collect();
-    for key in &keys {
-        let n = copies.get(key).copied().unwrap_or(0);
-        assert!(
-            (1..=2).contains(&n),
-            "job {key} arrived {n} times (at most one extra copy): {copies:?}"
-        );
-    }
-    assert_eq!(copies.len(), keys.len(), "{copies:?}");
+    at_most_one_extra_copy(&queue_name, &keys).await;
 }
 
 /// Issue #20, item 9. A batch never outlives its in-flight lease, whatever
@@ -311,18 +318,10 @@ async fn a_rabbitmq_alarm_that_clears_under_a_running_relay_costs_at_most_one_co
     );
     drop(alarm);
 
-    eventually(
+    all_published(
+        &pool,
+        35,
         "every job published after the alarm, by the same relay",
-        Duration::from_secs(60),
-        || async {
-            let unpublished = count(&pool, "SELECT count(*) FROM almanac.outbox").await;
-            let published = published_jobs(&pool).await;
-            if unpublished == 0 && published == 35 {
-                Ok(())
-            } else {
-                Err(format!("{published} published, {unpublished} rows left"))
-            }
-        },
     )
     .await;
     eventually(
@@ -350,15 +349,7 @@ async fn a_rabbitmq_alarm_that_clears_under_a_running_relay_costs_at_most_one_co
         ),
         (&late_queue, (0..5).map(|i| format!("late:{i}")).collect()),
     ] {
-        let copies = copies(queue).await;
-        for key in &keys {
-            let n = copies.get(key).copied().unwrap_or(0);
-            assert!(
-                (1..=2).contains(&n),
-                "job {key} arrived {n} times (at most one extra copy): {copies:?}"
-            );
-        }
-        assert_eq!(copies.len(), keys.len(), "{copies:?}");
+        at_most_one_extra_copy(queue, &keys).await;
     }
 }
 
