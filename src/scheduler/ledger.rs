@@ -26,6 +26,7 @@ macro_rules! cursor_sql {
     };
 }
 use super::spec::{Overlap, Schedule};
+use super::timeline::Run;
 use crate::queue::{self, QueueError};
 use crate::telemetry::{Parent, SpanKind, Tracer};
 pub(crate) use cursor_sql;
@@ -297,6 +298,24 @@ pub async fn record(
     Ok(report)
 }
 
+/// The `almanac.schedule.run` span of `run` (`None` when tracing is off or
+/// the trace is not sampled): each logical run starts a trace.
+pub(super) fn run_span(
+    tracer: &Tracer,
+    schedule: &Schedule,
+    run: &Run,
+    source: &str,
+    outcome: &str,
+) -> Option<crate::telemetry::Span> {
+    let mut span = tracer.start("almanac.schedule.run", SpanKind::Internal, Parent::Root)?;
+    span.attr("almanac.schedule", schedule.name.clone());
+    span.attr("almanac.logical_run", run.logical_run.clone());
+    span.attr("almanac.schedule.fire_at", run.fire_at.to_rfc3339());
+    span.attr("almanac.schedule.source", source.to_string());
+    span.attr("almanac.schedule.outcome", outcome.to_string());
+    Some(span)
+}
+
 /// [`record`] inside the caller's transaction `tx`, which commits it.
 pub async fn record_in(
     tx: &mut PgConnection,
@@ -360,14 +379,13 @@ pub async fn record_in(
         attempts.push(schedule.max_attempts);
         priorities.push(schedule.priority);
         keys.push(schedule.job_key(&planned.run.logical_run));
-        if let Some(mut span) =
-            tracer.start("almanac.schedule.run", SpanKind::Internal, Parent::Root)
-        {
-            span.attr("almanac.schedule", schedule.name.clone());
-            span.attr("almanac.logical_run", planned.run.logical_run.clone());
-            span.attr("almanac.schedule.fire_at", planned.run.fire_at.to_rfc3339());
-            span.attr("almanac.schedule.source", planned.source.as_str());
-            span.attr("almanac.schedule.outcome", outcome);
+        if let Some(span) = run_span(
+            tracer,
+            schedule,
+            &planned.run,
+            planned.source.as_str(),
+            outcome,
+        ) {
             traceparents.push((outcome == "emitted").then(|| span.traceparent()));
             spans.push((
                 (schedule.name.as_str(), planned.run.logical_run.as_str()),

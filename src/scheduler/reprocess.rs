@@ -50,7 +50,7 @@
 //! the same command continues. (`all` would run the runs it already re-ran
 //! again: continue it `--from` the next run, which the progress names.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -208,19 +208,20 @@ SELECT 1 FROM almanac.schedule_runs
 "#;
 
 /// Replaces the finished jobs of locked ledger rows (see the module doc):
-/// `$2` the logical runs, `$3` their base keys, `$4` the job states to
+/// `$2` the logical runs, `$3` their base keys, `$10` their traceparents
+/// (empty when tracing is off), `$4` the job states to
 /// replace (`dead`, `done`, `deleted`); `$5`, `$6`, `$7`, `$9` the new
 /// jobs' kind, payload, max_attempts and priority. One statement: the ledger row and
 /// its new job are written together (the foreign key is checked at its
-/// end, when both exist).
+/// end, when both exist). Returns, per state replaced, the runs.
 pub const REPLACE: &str = r#"
 WITH planned AS (
-    SELECT * FROM unnest($2::text[], $3::text[]) AS p(logical_run, key)
+    SELECT * FROM unnest($2::text[], $3::text[], $10::text[]) AS p(logical_run, key, traceparent)
 ), active AS (
     SELECT DISTINCT logical_run FROM almanac.jobs
      WHERE schedule = $1 AND (status IN ('ready', 'running') OR status = 'held') AND logical_run = ANY($2)
 ), chosen AS MATERIALIZED (
-    SELECT r.logical_run, r.fire_at, p.key, coalesce(j.status, 'deleted') AS was,
+    SELECT r.logical_run, r.fire_at, p.key, p.traceparent, coalesce(j.status, 'deleted') AS was,
            nextval('almanac.jobs_id_seq') AS id
       FROM almanac.schedule_runs r
       JOIN planned p ON p.logical_run = r.logical_run
@@ -230,20 +231,22 @@ WITH planned AS (
        AND NOT EXISTS (SELECT 1 FROM active a WHERE a.logical_run = r.logical_run)
 ), emitted AS (
     INSERT INTO almanac.jobs
-        (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority)
+        (id, kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority,
+         traceparent)
     OVERRIDING SYSTEM VALUE
-    SELECT c.id, $5, $6, c.fire_at, $7, c.key || '#' || c.id, $1, c.logical_run, $9::smallint
+    SELECT c.id, $5, $6, c.fire_at, $7, c.key || '#' || c.id, $1, c.logical_run, $9::smallint,
+           c.traceparent
       FROM chosen c
     RETURNING id
 ), relinked AS (
     UPDATE almanac.schedule_runs r SET job_id = c.id
       FROM chosen c
      WHERE r.schedule = $1 AND r.logical_run = c.logical_run
-    RETURNING c.was
+    RETURNING c.was, c.logical_run
 ), notified AS (
     SELECT pg_notify($8, $5) WHERE EXISTS (SELECT 1 FROM emitted)
 )
-SELECT was, count(*) FROM relinked
+SELECT was, count(*), array_agg(logical_run) FROM relinked
  WHERE (SELECT count(*) FROM notified) >= 0
  GROUP BY was
 "#;
@@ -276,11 +279,14 @@ impl Replaced {
 /// Gives each of `runs` (recorded runs of `schedule`) a new job when its
 /// job is finished in a way `mode` replaces and no job of the run is active,
 /// in one transaction (a savepoint inside the caller's). See the module doc.
+/// Each run given a job gets an `almanac.schedule.run` span in `tracer`
+/// (source `reprocess`), and its job that span's context.
 pub async fn replace(
     conn: &mut PgConnection,
     schedule: &Schedule,
     mode: Reprocess,
     runs: &[&Run],
+    tracer: &crate::telemetry::Tracer,
 ) -> Result<Replaced, LedgerError> {
     let mut replaced = Replaced::default();
     let states: &[&str] = match mode {
@@ -296,6 +302,15 @@ pub async fn replace(
         .iter()
         .map(|r| schedule.job_key(&r.logical_run))
         .collect();
+    // Empty when tracing is off: `unnest` pads it with NULLs.
+    let mut traceparents: Vec<Option<String>> = Vec::new();
+    let mut spans = Vec::new();
+    for run in runs {
+        if let Some(span) = ledger::run_span(tracer, schedule, run, "reprocess", "emitted") {
+            traceparents.push(Some(span.traceparent()));
+            spans.push((run.logical_run.as_str(), span));
+        }
+    }
     let mut tx = super::begin(&mut *conn).await?;
     sqlx::query(LOCK_RUNS)
         .bind(&schedule.name)
@@ -304,7 +319,7 @@ pub async fn replace(
         .await?;
     // A new statement: it sees every change committed before the locks
     // were granted.
-    let counts: Vec<(String, i64)> = sqlx::query_as(REPLACE)
+    let counts: Vec<(String, i64, Vec<String>)> = sqlx::query_as(REPLACE)
         .bind(&schedule.name)
         .bind(&names)
         .bind(&keys)
@@ -314,10 +329,21 @@ pub async fn replace(
         .bind(schedule.max_attempts)
         .bind(queue::NOTIFY_CHANNEL)
         .bind(schedule.priority)
+        .bind(&traceparents)
         .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;
-    for (was, n) in counts {
+    // Only the runs given a job export their spans.
+    let given: HashSet<&str> = counts
+        .iter()
+        .flat_map(|(_, _, runs)| runs.iter().map(String::as_str))
+        .collect();
+    for (run, span) in spans {
+        if given.contains(run) {
+            tracer.end(span);
+        }
+    }
+    for (was, n, _) in counts {
         let n = n as u64;
         match was.as_str() {
             "dead" => replaced.dead += n,
@@ -469,7 +495,7 @@ pub async fn run(
             .filter(|(_, a)| *a == Action::Replace)
             .map(|(run, _)| *run)
             .collect();
-        let r = replace(&mut tx, schedule, mode, &to_replace).await?;
+        let r = replace(&mut tx, schedule, mode, &to_replace, tracer).await?;
         recorded.add(ledger::record(&mut tx, &batch, false, true, tracer).await?);
         tx.commit().await.map_err(LedgerError::from)?;
         not_replaced += to_replace.len() as u64 - r.total();

@@ -513,9 +513,15 @@ async fn every_job_a_schedule_emits_carries_its_priority(pool: PgPool) {
         .into_iter()
         .find(|r| r.logical_run == dead_run)
         .unwrap();
-    let replaced = reprocess::replace(&mut conn, hot, Reprocess::Failed, &[&planned])
-        .await
-        .unwrap();
+    let replaced = reprocess::replace(
+        &mut conn,
+        hot,
+        Reprocess::Failed,
+        &[&planned],
+        &almanac::telemetry::Tracer::off(),
+    )
+    .await
+    .unwrap();
     assert_eq!(replaced.dead, 1);
 
     let hot_jobs = emitted(&pool, "hot").await;

@@ -718,9 +718,15 @@ async fn a_retry_and_a_reprocess_of_one_run_never_both_revive_it(pool: PgPool) {
     // A reprocess holds the first run's row: the retry waits, then is refused.
     let mut held = pool.acquire().await.unwrap();
     let mut tx = held.begin().await.unwrap();
-    let replaced = reprocess::replace(&mut tx, &schedule, Reprocess::Failed, &[&planned[0]])
-        .await
-        .unwrap();
+    let replaced = reprocess::replace(
+        &mut tx,
+        &schedule,
+        Reprocess::Failed,
+        &[&planned[0]],
+        &almanac::telemetry::Tracer::off(),
+    )
+    .await
+    .unwrap();
     assert_eq!(replaced.dead, 1);
     let retry = tokio::spawn({
         let pool = pool.clone();
@@ -895,6 +901,7 @@ async fn reprocess_statements_use_indexes_on_a_long_history(pool: PgPool) {
                 .bind(5)
                 .bind("almanac_jobs")
                 .bind(0_i16)
+                .bind(Vec::<Option<String>>::new())
                 .fetch_one(&pool)
                 .await
                 .unwrap(),

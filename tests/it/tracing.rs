@@ -761,6 +761,25 @@ async fn tracing_backfilled_and_triggered_runs_have_their_spans(pool: PgPool) {
     cli(&["schedules", "trigger", "hourly"]).await;
     // The same run again: recorded already, so no job and no span.
     cli(&["schedules", "trigger", "hourly"]).await;
+    // A backfilled run whose job died, run again: a new job, a new span.
+    sqlx::query(
+        "UPDATE almanac.jobs SET status = 'dead', finished_at = now()
+         WHERE id = (SELECT min(id) FROM almanac.jobs)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    cli(&[
+        "backfill",
+        "hourly",
+        "--from",
+        &from,
+        "--to",
+        &to,
+        "--reprocess",
+        "failed",
+    ])
+    .await;
     // Exported before each command exited: no waiting here.
     let runs = receiver.named("almanac.schedule.run");
     let jobs: Vec<(String, Option<String>)> =
@@ -769,31 +788,34 @@ async fn tracing_backfilled_and_triggered_runs_have_their_spans(pool: PgPool) {
             .await
             .unwrap();
     assert!(
-        jobs.len() >= 4,
-        "three or more backfilled and one triggered: {jobs:?}"
+        jobs.len() >= 5,
+        "three or more backfilled, one triggered, one run again: {jobs:?}"
     );
     assert_eq!(runs.len(), jobs.len(), "{runs:?}");
+    let mut sources = Vec::new();
     for (run, traceparent) in &jobs {
         let span = runs
             .iter()
-            .find(|s| s.text("almanac.logical_run") == Some(run.as_str()))
-            .unwrap_or_else(|| panic!("no span for run {run}: {runs:?}"));
+            .find(|s| {
+                traceparent.as_deref()
+                    == Some(format!("00-{}-{}-01", s.trace_id, s.span_id).as_str())
+            })
+            .unwrap_or_else(|| {
+                panic!("no span for the job of run {run} ({traceparent:?}): {runs:?}")
+            });
         assert_eq!(span.text("almanac.schedule"), Some("hourly"));
+        assert_eq!(span.text("almanac.logical_run"), Some(run.as_str()));
         assert_eq!(span.text("almanac.schedule.outcome"), Some("emitted"));
-        assert!(
-            matches!(
-                span.text("almanac.schedule.source"),
-                Some("backfill" | "trigger")
-            ),
-            "{span:?}"
-        );
         assert_eq!(span.parent, None, "a logical run starts its trace");
-        assert_eq!(
-            traceparent.as_deref(),
-            Some(format!("00-{}-{}-01", span.trace_id, span.span_id).as_str()),
-            "job of run {run}"
+        sources.push(
+            span.text("almanac.schedule.source")
+                .unwrap_or("")
+                .to_string(),
         );
     }
+    sources.sort();
+    sources.dedup();
+    assert_eq!(sources, ["backfill", "reprocess", "trigger"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
