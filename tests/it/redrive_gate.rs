@@ -554,3 +554,46 @@ async fn rabbitmq_lost_message_is_redriven_while_the_consumer_is_busy(pool: PgPo
 async fn kafka_lost_message_is_redriven_while_the_consumer_is_busy(pool: PgPool) {
     a_lost_message_is_redriven_while_the_consumer_is_busy(pool, SinkKind::Kafka).await;
 }
+
+/// A re-drive step over a backlog whose messages all wait unpublished (its
+/// sink down for longer than `redrive_after`) probes each job's own outbox
+/// rows by `outbox_job_idx`, with no statistics on the tables (autovacuum
+/// off, or before it analyzed a fresh backlog): the planner once ANDed in a
+/// scan of every pending row of the sink per job, and a step over 150,000
+/// such jobs ran for minutes while the relay published nothing.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_redrive_step_over_an_unpublished_backlog_probes_each_job_s_own_rows(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO almanac.routes (kind, mode, sink, destination)
+             VALUES ('stuck', 'broker', 'rabbitmq', 'stuck');
+         INSERT INTO almanac.jobs (kind, run_at)
+             SELECT 'stuck', now() - interval '1 hour' + g * interval '1 millisecond'
+             FROM generate_series(1, 30000) AS g;",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM almanac.outbox WHERE published_at IS NULL"
+        )
+        .await,
+        30_000
+    );
+    let plans = harness::explain_prepared(
+        &mut conn,
+        routing::REDRIVE_SQL,
+        "text, bigint, timestamptz, bigint, timestamptz",
+        "'rabbitmq', 600000, NULL, NULL, NULL",
+    )
+    .await;
+    for (mode, _, plan) in plans {
+        let text = plan.to_string();
+        assert!(
+            text.contains("outbox_job_idx") && !text.contains("outbox_due_idx"),
+            "{mode}: the step's outbox probe is not by job:\n{plan:#}"
+        );
+    }
+}
