@@ -17,6 +17,26 @@ fn almanac(url: &str, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `almanac route set KIND --mode broker` to RabbitMQ queue `queue`.
+fn route_to_queue(url: &str, kind: &str, queue: &str, amqp: &str) -> Output {
+    almanac(
+        url,
+        &[
+            "route",
+            "set",
+            kind,
+            "--mode",
+            "broker",
+            "--sink",
+            "rabbitmq",
+            "--destination",
+            queue,
+            "--amqp-url",
+            amqp,
+        ],
+    )
+}
+
 fn spawn(url: &str, args: &[&str]) -> Child {
     harness::almanac()
         .args(args)
@@ -103,22 +123,7 @@ async fn enqueue_relay_consume_end_to_end_with_exec_handlers(pool: PgPool) {
     std::fs::create_dir_all(&dir).unwrap();
     let seen = dir.join("seen");
 
-    let out = almanac(
-        &url,
-        &[
-            "route",
-            "set",
-            "mail",
-            "--mode",
-            "broker",
-            "--sink",
-            "rabbitmq",
-            "--destination",
-            &queue,
-            "--amqp-url",
-            &amqp,
-        ],
-    );
+    let out = route_to_queue(&url, "mail", &queue, &amqp);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout),
@@ -312,22 +317,7 @@ async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
     let amqp = amqp_url();
     let queue = unique("partial");
     for kind in ["mail", "sms", "push"] {
-        let out = almanac(
-            &url,
-            &[
-                "route",
-                "set",
-                kind,
-                "--mode",
-                "broker",
-                "--sink",
-                "rabbitmq",
-                "--destination",
-                &queue,
-                "--amqp-url",
-                &amqp,
-            ],
-        );
+        let out = route_to_queue(&url, kind, &queue, &amqp);
         assert!(out.status.success(), "{}", text(&out.stderr));
     }
     let (consumer, log) = consume_logged(&url, &amqp, &queue, "mail=true");
@@ -352,22 +342,7 @@ async fn consume_names_the_routed_kinds_it_has_no_handler_for(pool: PgPool) {
     assert!(line.contains("kinds=[\"push\"]"), "{line}");
 
     // `route set` says so at once.
-    let out = almanac(
-        &url,
-        &[
-            "route",
-            "set",
-            "push",
-            "--mode",
-            "broker",
-            "--sink",
-            "rabbitmq",
-            "--destination",
-            &queue,
-            "--amqp-url",
-            &amqp,
-        ],
-    );
+    let out = route_to_queue(&url, "push", &queue, &amqp);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let unrun = format!(
         "kind push is routed (broker) to rabbitmq `{queue}`, but none of the 2 consumers running there \

@@ -168,6 +168,15 @@ async fn rabbitmq_consumer_stopped_mid_job_finishes_or_releases_it(pool: PgPool)
     a_consumer_stopped_mid_job_finishes_or_releases_it(pool, SinkKind::Rabbitmq).await;
 }
 
+/// A job's status and attempts used.
+async fn job_state(pool: &PgPool, id: i64) -> (String, i32) {
+    sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// `jobs` of kind `task`, routed to a fresh destination on `sink` and
 /// published there by one relay pass; the destination and the jobs' ids.
 async fn routed_and_published(
@@ -328,12 +337,7 @@ async fn a_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool, sink: SinkKi
         || async { waiting().await.is_some_and(|at| at > first) },
     )
     .await;
-    let (status, attempts): (String, i32) =
-        sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let (status, attempts) = job_state(&pool, id).await;
     assert_eq!(
         (status.as_str(), attempts),
         ("ready", 0),
@@ -341,12 +345,7 @@ async fn a_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool, sink: SinkKi
     );
     holder.rollback().await.unwrap();
     eventually("the job to run", Duration::from_secs(60), || async {
-        let (status, attempts): (String, i32) =
-            sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
-                .bind(id)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let (status, attempts) = job_state(&pool, id).await;
         match status.as_str() {
             "done" | "dead" => Ok(()),
             _ => Err(format!("{status}, attempts {attempts} (a claim behind the lock committed a lease nobody holds?)")),
@@ -355,12 +354,7 @@ async fn a_claim_behind_a_row_lock_ends_on_the_server(pool: PgPool, sink: SinkKi
     .await;
     stop.cancel();
     running.await.unwrap().unwrap();
-    let (status, attempts): (String, i32) =
-        sqlx::query_as("SELECT status, attempts FROM almanac.jobs WHERE id = $1")
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let (status, attempts) = job_state(&pool, id).await;
     assert_eq!((status.as_str(), attempts), ("done", 1));
     assert_eq!(count(&pool, "SELECT count(*) FROM exec_log").await, 1);
 }
