@@ -533,12 +533,16 @@ impl Role for Relay {
         info!(%sink, "relay started");
         self.stop = shutdown.clone();
         self.watch_blocked();
-        // LISTEN is set up (and retried, with its own pacing) in a task of
-        // its own, so a database slow to give a connection never holds the
-        // drain; polling covers for it meanwhile. Once up, another task reads
-        // it without pause ([`Drainer`]).
-        let mut drainer: Option<Drainer> = None;
-        let mut connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
+        // LISTEN is set up (and retried, with its own pacing) by a task of
+        // its own, which then reads it without pause ([`Drainer`]): a
+        // database slow to give a connection never holds the drain (polling
+        // covers for it meanwhile), and the connection is read from the
+        // moment it listens, whatever this loop is waiting for.
+        let mut drainer = Some(Drainer::start(
+            self.pool.clone(),
+            sink,
+            self.metrics.clone(),
+        ));
         let mut listen_retry = Retry::reconnect();
         let mut listen_next = Instant::now();
         let mut retry = Retry::new(self.config.retry.base, self.config.retry.max);
@@ -546,25 +550,25 @@ impl Role for Relay {
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
-            if drainer.as_ref().is_some_and(|d| d.task.is_finished()) {
-                // sqlx could not reconnect it: set up again, paced, below.
-                warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
-                drainer = None;
-                listen_next = Instant::now() + listen_retry.failed();
-            }
-            match connecting.take() {
-                Some(task) if task.is_finished() => match task.await.ok().flatten() {
-                    Some(l) => {
-                        drainer = Some(Drainer::start(l, sink, self.metrics.clone()));
-                        listen_retry.succeeded();
+            if let Some(d) = drainer.as_mut() {
+                if d.task.is_finished() {
+                    if d.listening.load(std::sync::atomic::Ordering::Relaxed) {
+                        // sqlx could not reconnect it: set up again, paced, below.
+                        warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
                     }
-                    None => listen_next = Instant::now() + listen_retry.failed(),
-                },
-                Some(task) => connecting = Some(task),
-                None if drainer.is_none() && Instant::now() >= listen_next => {
-                    connecting = Some(tokio::spawn(listen(self.pool.clone(), sink)));
+                    drainer = None;
+                    listen_next = Instant::now() + listen_retry.failed();
+                } else if !d.listened && d.listening.load(std::sync::atomic::Ordering::Relaxed) {
+                    d.listened = true;
+                    listen_retry.succeeded();
                 }
-                None => {}
+            }
+            if drainer.is_none() && Instant::now() >= listen_next {
+                drainer = Some(Drainer::start(
+                    self.pool.clone(),
+                    sink,
+                    self.metrics.clone(),
+                ));
             }
             self.maintain(&mut next_redrive, &mut next_reconcile).await;
             if self.watch_blocked() {
@@ -603,12 +607,8 @@ impl Role for Relay {
                 _ = woken, if !failing => {}
             }
         }
-        if let Some(task) = connecting {
-            task.abort();
-        }
-        if let Some(d) = drainer {
-            d.task.abort();
-        }
+        // Its LISTEN session ends with it (see `Drop for Drainer`).
+        drop(drainer);
         // Bounded: a broker that stopped answering cannot hold the shutdown.
         if tokio::time::timeout(Duration::from_secs(10), self.publisher.flush())
             .await
@@ -710,17 +710,26 @@ async fn listen(pool: PgPool, sink: SinkKind) -> Option<PgListener> {
 
 const LISTEN_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The relay's LISTEN connection, read without pause by a task of its own,
-/// whatever the relay is doing (publishing, waiting out a failing sink's
-/// backoff). PostgreSQL's notification queue is one for the whole cluster,
-/// and its tail moves only when every listening session has read what was
-/// sent to it: a listener left unread holds the tail back, and once the
-/// queue is full every transaction that notifies fails at commit (every
-/// enqueue, and other applications on the cluster). Notifications only wake
-/// the relay: any number of them between two drains is one wake.
+/// The relay's LISTEN connection, set up ([`listen`]) and then read without
+/// pause by a task of its own, whatever the relay is doing (publishing,
+/// waiting out a failing sink's backoff). PostgreSQL's notification queue is
+/// one for the whole cluster, and its tail moves only when every listening
+/// session has read what was sent to it: a listener left unread holds the
+/// tail back, and once the queue is full every transaction that notifies
+/// fails at commit (every enqueue, and other applications on the cluster).
+/// So the task that listens is the task that reads: a connection that
+/// listens but waits for the relay's loop to pick it up (as one did until
+/// 2026-12-06, through a whole backoff when the sink was down as the relay
+/// started) is never left unread. Notifications only wake the relay: any
+/// number of them between two drains is one wake.
 struct Drainer {
     task: JoinHandle<()>,
     wake: std::sync::Arc<tokio::sync::Notify>,
+    /// Set by the task once its LISTEN is up.
+    listening: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the relay's loop has seen `listening` (and so reset its
+    /// reconnect pacing).
+    listened: bool,
 }
 
 impl Drop for Drainer {
@@ -732,10 +741,15 @@ impl Drop for Drainer {
 }
 
 impl Drainer {
-    fn start(mut listener: PgListener, sink: SinkKind, metrics: Metrics) -> Drainer {
+    fn start(pool: PgPool, sink: SinkKind, metrics: Metrics) -> Drainer {
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
-        let waker = wake.clone();
+        let listening = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (waker, up) = (wake.clone(), listening.clone());
         let task = tokio::spawn(async move {
+            let Some(mut listener) = listen(pool, sink).await else {
+                return;
+            };
+            up.store(true, std::sync::atomic::Ordering::Relaxed);
             // Ends when sqlx cannot reconnect the listener. Notifications
             // for another sink's relays are read (so they do not pile up)
             // but wake nothing here.
@@ -753,7 +767,12 @@ impl Drainer {
                 }
             }
         });
-        Drainer { task, wake }
+        Drainer {
+            task,
+            wake,
+            listening,
+            listened: false,
+        }
     }
 }
 
