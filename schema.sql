@@ -238,6 +238,7 @@ WITH (fillfactor='60');
 
 CREATE FUNCTION almanac.complete_claiming(p_ids bigint[], p_tokens uuid[], p_lease_ms bigint, p_kinds text[]) RETURNS SETOF almanac.jobs
     LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_claimed text;
@@ -252,7 +253,7 @@ BEGIN
             FROM unnest(p_ids, p_tokens) AS c(id, token)
             WHERE j.id = c.id AND j.lease_token = c.token AND j.lease_until > clock_timestamp()
             RETURNING j)
-        SELECT (jsonb_populate_record(done.j, '{"payload": {}}')).* FROM done;
+        SELECT r.* FROM done CROSS JOIN LATERAL jsonb_populate_record(done.j, '{"payload": {}}') AS r;
     PERFORM set_config('almanac.claim_successors', '', true);
     v_claimed := current_setting('almanac.claimed_successors', true);
     PERFORM set_config('almanac.claimed_successors', '', true);
@@ -1060,8 +1061,9 @@ BEGIN
                 lease_token = md5(s.after::text || ':next')::uuid,
                 lease_until = clock_timestamp() + v_lease::bigint * interval '1 millisecond',
                 route = 'db'
-            FROM unnest(v_ids, v_after) AS s(id, after)
-            WHERE j.id = s.id AND s.after IS NOT NULL AND j.id = ANY (v_taken)
+            FROM (SELECT u.id, u.after FROM unnest(v_ids, v_after) AS u(id, after)
+                  WHERE u.after IS NOT NULL AND u.id = ANY (v_taken)) AS s
+            WHERE j.id = s.id
               AND j.kind IN (SELECT kind FROM direct) AND j.run_at <= now()
             RETURNING j.id)
         SELECT array_agg(claimed.id) INTO v_claimed FROM claimed;
