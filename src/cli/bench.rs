@@ -75,7 +75,7 @@ pub struct Args {
     /// size to size, each beside its value at the smallest.
     #[arg(long, value_name = "JOBS,...", num_args = 0..=1,
           default_missing_value = scale::DEFAULT_SIZES, value_parser = scale::parse_sizes,
-          conflicts_with_all = ["tracing_only", "ordering_only", "retention_only"])]
+          conflicts_with_all = ["tracing_only", "ordering_only", "retention_only", "enqueue_only"])]
     scale: Option<scale::Sizes>,
     /// Only the tracing figures (off beside on), nothing else.
     #[arg(long, conflicts_with = "ordering_only")]
@@ -87,6 +87,10 @@ pub struct Args {
     /// `--retention-minutes` under the default worker and janitor.
     #[arg(long, conflicts_with = "tracing_only")]
     retention_only: bool,
+    /// Only the enqueue figures (the SQL function beside the Rust API and
+    /// a hand-written INSERT), nothing else.
+    #[arg(long, conflicts_with_all = ["tracing_only", "ordering_only", "retention_only"])]
+    enqueue_only: bool,
     #[command(flatten)]
     retention: retention::RetentionArgs,
     /// One JSON object instead of a table.
@@ -150,6 +154,10 @@ pub async fn run(ctx: &Ctx, args: Args) -> anyhow::Result<()> {
     if args.retention_only {
         let result = retention::measure(&scratch.0, &args.retention).await;
         return report(scratch, result, args.json, retention::print_table).await;
+    }
+    if args.enqueue_only {
+        let result = enqueue::measure(&scratch.0, args.connections, &args.enqueue).await;
+        return report(scratch, result, args.json, enqueue::print_table).await;
     }
     let result = measure(&scratch.0, &args).await;
     report(scratch, result, args.json, print_table).await
