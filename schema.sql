@@ -1181,15 +1181,15 @@ END $$;
 --
 
 CREATE FUNCTION almanac.traceparent_ok(tp text) RETURNS boolean
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
     AS $_$
-    SELECT tp IS NULL
-        OR (tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$'
-            AND (length(tp) = 55 OR (left(tp, 2) <> '00' AND substr(tp, 56, 1) = '-'))
-            AND left(tp, 2) <> 'ff'
-            AND substr(tp, 4, 32) <> '00000000000000000000000000000000'
-            AND substr(tp, 37, 16) <> '0000000000000000')
-$_$;
+BEGIN
+    RETURN tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$'
+        AND (length(tp) = 55 OR (left(tp, 2) <> '00' AND substr(tp, 56, 1) = '-'))
+        AND left(tp, 2) <> 'ff'
+        AND substr(tp, 4, 32) <> '00000000000000000000000000000000'
+        AND substr(tp, 37, 16) <> '0000000000000000';
+END $_$;
 
 
 --
