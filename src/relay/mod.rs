@@ -550,17 +550,19 @@ impl Role for Relay {
             Instant::now() + self.config.redrive_after.min(Duration::from_secs(60));
         let mut next_reconcile = Instant::now();
         while !shutdown.is_cancelled() {
-            if let Some(d) = drainer.as_mut() {
+            if let Some(d) = drainer.as_ref() {
+                let listened = d.listening.load(std::sync::atomic::Ordering::Relaxed);
+                if listened {
+                    // It listened: a break after that paces from the start.
+                    listen_retry.succeeded();
+                }
                 if d.task.is_finished() {
-                    if d.listening.load(std::sync::atomic::Ordering::Relaxed) {
+                    if listened {
                         // sqlx could not reconnect it: set up again, paced, below.
                         warn!(%sink, "the relay's LISTEN connection broke; polling until it is back");
                     }
                     drainer = None;
                     listen_next = Instant::now() + listen_retry.failed();
-                } else if !d.listened && d.listening.load(std::sync::atomic::Ordering::Relaxed) {
-                    d.listened = true;
-                    listen_retry.succeeded();
                 }
             }
             if drainer.is_none() && Instant::now() >= listen_next {
@@ -727,9 +729,6 @@ struct Drainer {
     wake: std::sync::Arc<tokio::sync::Notify>,
     /// Set by the task once its LISTEN is up.
     listening: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Whether the relay's loop has seen `listening` (and so reset its
-    /// reconnect pacing).
-    listened: bool,
 }
 
 impl Drop for Drainer {
@@ -771,7 +770,6 @@ impl Drainer {
             task,
             wake,
             listening,
-            listened: false,
         }
     }
 }

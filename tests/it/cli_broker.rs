@@ -86,22 +86,7 @@ async fn route_set_refuses_what_it_cannot_do_and_names_no_password(pool: PgPool)
     );
 
     let dead = "amqp://guest:pa55word@127.0.0.1:1/%2f";
-    let out = almanac(
-        &url,
-        &[
-            "route",
-            "set",
-            "mail",
-            "--mode",
-            "broker",
-            "--sink",
-            "rabbitmq",
-            "--destination",
-            "mail",
-            "--amqp-url",
-            dead,
-        ],
-    );
+    let out = route_to_queue(&url, "mail", "mail", dead);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(
