@@ -750,3 +750,92 @@ async fn a_relay_with_its_sink_down_reads_500_notifications_a_second(pool: PgPoo
 async fn a_relay_with_its_sink_down_for_ten_minutes_keeps_the_notify_queue_empty(pool: PgPool) {
     a_failing_sink_does_not_stop_the_relay_reading_its_notifications(pool, 500, 600, 500).await;
 }
+
+/// A relay whose LISTEN session is killed on the server
+/// (`pg_terminate_backend`) listens again, on a new session, and reads the
+/// notifications of what is enqueued afterwards (docs/relay.md: read
+/// without pause; polling covers the gap).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_relay_whose_listen_session_is_killed_listens_again(pool: PgPool) {
+    use almanac::metrics::{Metrics, SinkLabel};
+    use almanac::role::Role;
+    use tokio_util::sync::CancellationToken;
+    let destination = unique("relisten");
+    let mut conn = pool.acquire().await.unwrap();
+    routes::set(
+        &mut conn,
+        "relisten",
+        RouteMode::Broker,
+        Some(SinkKind::Rabbitmq),
+        Some(&destination),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let metrics = Metrics::new();
+    let stop = CancellationToken::new();
+    let relay = Relay::new(
+        pool.clone(),
+        Publisher::new(SinkKind::Rabbitmq, &brokers::sinks()).unwrap(),
+        brokers::relay_config().validated().unwrap(),
+    )
+    .with_metrics(metrics.clone());
+    let relay = tokio::spawn(relay.run(stop.clone()));
+    let label = SinkLabel {
+        sink: "rabbitmq".into(),
+    };
+    let read = || metrics.relay_notifications.get_or_create(&label).get();
+    let session = || async {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity
+             WHERE application_name = 'almanac-relay/rabbitmq' AND datname = current_database()",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let enqueue = || async {
+        queue::enqueue(&mut pool.acquire().await.unwrap(), &NewJob::new("relisten"))
+            .await
+            .unwrap();
+    };
+    eventually("the relay listening", Duration::from_secs(30), || async {
+        session().await.is_some()
+    })
+    .await;
+    let first = session().await.unwrap();
+    enqueue().await;
+    eventually("a notification read", Duration::from_secs(30), || async {
+        read() >= 1
+    })
+    .await;
+
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(first)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    let before = read();
+    // Each look enqueues one more job: a notification is read once the
+    // relay listens again.
+    eventually(
+        "notifications read on a new LISTEN session",
+        Duration::from_secs(60),
+        || async {
+            enqueue().await;
+            let now = session().await;
+            if read() > before && now.is_some_and(|pid| pid != first) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "session {now:?} (killed {first}), {} read",
+                    read() - before
+                ))
+            }
+        },
+    )
+    .await;
+    stop.cancel();
+    relay.await.unwrap().unwrap();
+}
