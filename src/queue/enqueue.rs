@@ -1,6 +1,7 @@
-//! Enqueueing: the Rust face of `almanac.enqueue_many`, the SQL function
-//! that is the one implementation of enqueue (every language calls it;
-//! migrations/0114_enqueue_function.sql, 0115 for its last two parameters,
+//! Enqueueing: the Rust face of `almanac.enqueue` and `almanac.enqueue_many`,
+//! the SQL functions that are the one implementation of enqueue (every
+//! language calls them; migrations/0114_enqueue_function.sql, 0115 for
+//! their last two parameters, 0134 for `enqueue`'s own one-job insert,
 //! docs/enqueue.md).
 //!
 //! What an enqueue guarantees: it runs in the caller's transaction, so the
@@ -185,10 +186,38 @@ impl Enqueued {
 
 /// Inserts one job on the caller's connection or transaction
 /// (`&mut *tx`): the job commits or rolls back with the caller's own writes.
+/// One call of `almanac.enqueue` (migration 0134: one job without the
+/// batch's arrays), or of `almanac.enqueue_many` for a job of a schedule's
+/// run, which only that function takes.
 pub async fn enqueue(conn: &mut PgConnection, job: &NewJob) -> Result<Enqueued, QueueError> {
-    let mut ids = enqueue_many(conn, std::slice::from_ref(job)).await?;
-    Ok(ids.remove(0))
+    if job.schedule.is_some() || job.logical_run.is_some() {
+        let mut ids = enqueue_many(conn, std::slice::from_ref(job)).await?;
+        return Ok(ids.remove(0));
+    }
+    job.validate()?;
+    let (id, created): (i64, bool) = sqlx::query_as(ENQUEUE_SQL)
+        .bind(&job.kind)
+        .bind(&job.payload)
+        .bind(job.run_at)
+        .bind(job.max_attempts)
+        .bind(job.idempotency_key.as_deref())
+        .bind(i32::from(job.priority))
+        .bind(job.ordering_key.as_deref())
+        .bind(job.traceparent.as_deref())
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(refusal)?;
+    Ok(if created {
+        Enqueued::New(id)
+    } else {
+        Enqueued::Existing(id)
+    })
 }
+
+/// The call [`enqueue`] makes.
+pub const ENQUEUE_SQL: &str = "SELECT id, created FROM almanac.enqueue(\
+    kind => $1, payload => $2, run_at => $3, max_attempts => $4, idempotency_key => $5, \
+    priority => $6, ordering_key => $7, traceparent => $8)";
 
 /// Inserts a batch with one call of `almanac.enqueue_many` (one round
 /// trip), the one implementation of enqueue that every language calls

@@ -762,3 +762,150 @@ async fn a_key_whose_holder_vanishes_under_the_call_is_refused_as_a_retry(pool: 
         other => panic!("expected the database's 40001, got {other:?}"),
     }
 }
+
+/// `almanac.enqueue` inserts its one job itself and hands any job it would
+/// refuse to `almanac.enqueue_many` (migration 0134): fed the same values,
+/// the two store the same row and refuse with the same SQLSTATE and
+/// message. Each pair runs in one transaction (one `now()`), rolled back.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn enqueue_stores_and_refuses_exactly_as_enqueue_many_does(pool: PgPool) {
+    sqlx::query("INSERT INTO almanac.kind_ordering (kind, set_by) VALUES ('ordered', 'test')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let tp = "'00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'";
+    // kind, payload, run_at, max_attempts, idempotency key, priority,
+    // ordering key, traceparent: SQL literals.
+    let cases: [[&str; 8]; 17] = [
+        [
+            "'mail'", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL",
+        ],
+        [
+            "'mail'",
+            "'{\"to\": \"ada\"}'",
+            "'2030-01-02 03:04:05+00'",
+            "3",
+            "'welcome:ada'",
+            "7",
+            "NULL",
+            tp,
+        ],
+        [
+            "'ordered'",
+            "'{}'",
+            "NULL",
+            "1",
+            "NULL",
+            "9",
+            "'order-1'",
+            "NULL",
+        ],
+        [
+            "'mail'", "'[1, 2]'", "NULL", "NULL", "NULL", "0", "NULL", "NULL",
+        ],
+        // Refused, by the function or by the kind's route trigger.
+        ["''", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL"],
+        [
+            "' \t'", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL",
+        ],
+        [
+            "NULL", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL", "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "0", "NULL", "NULL", "NULL", "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "-4", "NULL", "NULL", "NULL", "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "NULL", "NULL", "10", "NULL", "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "NULL", "NULL", "-1", "NULL", "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "NULL", "''", "NULL", "NULL", "NULL",
+        ],
+        [
+            "'ordered'",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "''",
+            "NULL",
+        ],
+        [
+            "'mail'", "NULL", "NULL", "NULL", "NULL", "NULL", "'k'", "NULL",
+        ],
+        [
+            "'mail'",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "'00-0-0-01'",
+        ],
+        [
+            "'mail'",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "NULL",
+            "'00-00000000000000000000000000000000-00f067aa0ba902b7-01'",
+        ],
+        // Two problems: the first in enqueue_many's order is named.
+        ["''", "NULL", "NULL", "0", "''", "12", "NULL", "'x'"],
+    ];
+    let row = "SELECT to_jsonb(j) - 'id' - 'created_at' - 'updated_at' FROM almanac.jobs AS j";
+    for [kind, payload, run_at, max_attempts, key, priority, okey, tp] in cases {
+        let one = format!(
+            "SELECT id FROM almanac.enqueue(kind => {kind}, payload => {payload}, run_at => {run_at}, \
+             max_attempts => {max_attempts}, idempotency_key => {key}, priority => {priority}, \
+             ordering_key => {okey}, traceparent => {tp})"
+        );
+        let many = format!(
+            "SELECT id FROM almanac.enqueue_many(kinds => ARRAY[{kind}]::text[], \
+             payloads => ARRAY[{payload}]::jsonb[], run_ats => ARRAY[{run_at}]::timestamptz[], \
+             max_attempts => ARRAY[{max_attempts}]::int[], idempotency_keys => ARRAY[{key}]::text[], \
+             priorities => ARRAY[{priority}]::int[], ordering_keys => ARRAY[{okey}]::text[], \
+             traceparents => ARRAY[{tp}]::text[])"
+        );
+        let mut tx = pool.begin().await.unwrap();
+        let mut outcomes = Vec::new();
+        for call in [&one, &many] {
+            sqlx::query("SAVEPOINT call")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let outcome = match sqlx::query_scalar::<_, i64>(call).fetch_one(&mut *tx).await {
+                Ok(_) => {
+                    let stored: Vec<Value> =
+                        sqlx::query_scalar(row).fetch_all(&mut *tx).await.unwrap();
+                    Ok(stored)
+                }
+                Err(sqlx::Error::Database(e)) => Err((
+                    e.code().unwrap_or_default().into_owned(),
+                    e.message().to_string(),
+                )),
+                Err(other) => panic!("{call}: {other}"),
+            };
+            outcomes.push(outcome);
+            sqlx::query("ROLLBACK TO SAVEPOINT call")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        tx.rollback().await.unwrap();
+        if let Ok(stored) = &outcomes[0] {
+            assert_eq!(stored.len(), 1, "{one}: one job stored");
+        }
+        assert_eq!(outcomes[0], outcomes[1], "{one}\n{many}");
+    }
+    assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
+}
