@@ -557,6 +557,33 @@ BEGIN
         RETURN;
     END IF;
 
+    -- No job has a key (0135): nothing can conflict, so the rows go in
+    -- without ON CONFLICT, every job is new, and the ids, drawn as the
+    -- rows are inserted in input order, ascend in input order.
+    IF enqueue_many.idempotency_keys IS NULL THEN
+        RETURN QUERY
+        WITH ins AS (
+            INSERT INTO almanac.jobs AS j
+                (kind, payload, run_at, max_attempts, schedule, logical_run, priority,
+                 ordering_key, traceparent)
+            SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
+                   coalesce(t.max_attempts, 5), t.schedule, t.logical_run, coalesce(t.priority, 0),
+                   t.okey, t.tp
+            FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
+                        enqueue_many.max_attempts, enqueue_many.schedules, enqueue_many.logical_runs,
+                        enqueue_many.priorities, enqueue_many.ordering_keys, enqueue_many.traceparents)
+                 WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, schedule, logical_run,
+                                      priority, okey, tp, i)
+            ORDER BY t.i
+            RETURNING j.id
+        )
+        SELECT row_number() OVER (ORDER BY ins.id), ins.id, true FROM ins;
+        FOREACH v_kind IN ARRAY (SELECT array_agg(DISTINCT k.kind) FROM unnest(enqueue_many.kinds) AS k(kind)) LOOP
+            PERFORM pg_notify('almanac_jobs', v_kind);
+        END LOOP;
+        RETURN;
+    END IF;
+
     -- One statement inserts the rows in input order. Identity values are
     -- drawn as the rows are inserted, so the new ids ascend in input order.
     WITH ins AS (

@@ -909,3 +909,62 @@ async fn enqueue_stores_and_refuses_exactly_as_enqueue_many_does(pool: PgPool) {
     }
     assert_eq!(count(&pool, "SELECT count(*) FROM almanac.jobs").await, 0);
 }
+
+/// A batch without idempotency keys takes its own insert (migration 0135:
+/// no `ON CONFLICT`); given keys that are all NULL, the same batch takes
+/// the keyed one. Both store the same rows, return one row per job in
+/// input order with ids ascending, all new, and notify each kind once.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_batch_without_keys_stores_and_returns_what_the_keyed_path_does(pool: PgPool) {
+    let args = "ARRAY['b', 'a', 'b', 'c'], \
+                payloads => ARRAY['{\"n\": 1}', NULL, '{\"n\": 3}', '[4]']::jsonb[], \
+                max_attempts => ARRAY[NULL, 2, NULL, 9], priorities => ARRAY[1, NULL, 0, 9], \
+                run_ats => ARRAY[NULL, '2030-01-01 00:00:00+00', NULL, NULL]::timestamptz[]";
+    let row = "SELECT to_jsonb(j) - 'id' FROM almanac.jobs AS j ORDER BY j.id";
+    let mut stored = Vec::new();
+    for keys in ["NULL", "ARRAY[NULL, NULL, NULL, NULL]::text[]"] {
+        let mut tx = pool.begin().await.unwrap();
+        let mut listener = PgListener::connect_with(&pool).await.unwrap();
+        listener.listen(queue::NOTIFY_CHANNEL).await.unwrap();
+        let returned: Vec<(i64, i64, bool)> = sqlx::query_as(&format!(
+            "SELECT ord, id, created FROM almanac.enqueue_many({args}, idempotency_keys => {keys})"
+        ))
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        let ords: Vec<i64> = returned.iter().map(|r| r.0).collect();
+        assert_eq!(ords, [1, 2, 3, 4], "{keys}");
+        assert!(returned.iter().all(|r| r.2), "{keys}: every job new");
+        assert!(
+            returned.windows(2).all(|w| w[0].1 < w[1].1),
+            "{keys}: ids ascend in input order: {returned:?}"
+        );
+        let rows: Vec<Value> = sqlx::query_scalar(row).fetch_all(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+        let mut heard = Vec::new();
+        for _ in 0..3 {
+            heard.push(next_notification(&mut listener).await);
+        }
+        heard.sort();
+        assert_eq!(heard, ["a", "b", "c"], "{keys}: each kind once");
+        marker(&pool, "end").await;
+        assert_eq!(next_notification(&mut listener).await, "end", "{keys}");
+        sqlx::query("DELETE FROM almanac.jobs")
+            .execute(&pool)
+            .await
+            .unwrap();
+        stored.push(
+            rows.into_iter()
+                .map(|mut r| {
+                    // now() differs between the two transactions.
+                    r.as_object_mut().unwrap().remove("created_at");
+                    if r["run_at"] != "2030-01-01T00:00:00+00:00" {
+                        r.as_object_mut().unwrap().remove("run_at");
+                    }
+                    r
+                })
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(stored[0], stored[1]);
+}
