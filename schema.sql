@@ -338,28 +338,33 @@ CREATE FUNCTION almanac.enqueue(kind text, payload jsonb DEFAULT '{}'::jsonb, ru
     AS $$
 #variable_conflict use_column
 BEGIN
-    -- A NULL value takes its default, as in enqueue_many; a NULL in this
-    -- expression (a defaulted value) is no problem.
-    IF enqueue.kind IS NULL OR enqueue.kind !~ '\S'
+    -- enqueue_many's checks for one job, as one expression. A job that
+    -- fails one (or that this expression only suspects) is enqueued by
+    -- enqueue_many, which names the problem and refuses it (SQLSTATE
+    -- 22023), or enqueues it: its checks are the only authority. A NULL
+    -- value takes its default and is no problem.
+    IF enqueue.kind IS NULL OR enqueue.kind !~ '[^[:space:]]'
        OR enqueue.max_attempts < 1
        OR enqueue.priority NOT BETWEEN 0 AND 9
        OR enqueue.idempotency_key = ''
        OR enqueue.ordering_key = ''
        OR NOT almanac.traceparent_ok(enqueue.traceparent)
     THEN
-        PERFORM almanac.enqueue_many(
+        SELECT e.id, e.created INTO enqueue.id, enqueue.created
+        FROM almanac.enqueue_many(
             kinds => ARRAY[enqueue.kind],
+            payloads => ARRAY[enqueue.payload],
+            run_ats => ARRAY[enqueue.run_at],
             max_attempts => ARRAY[enqueue.max_attempts],
             idempotency_keys => ARRAY[enqueue.idempotency_key],
             priorities => ARRAY[enqueue.priority],
             ordering_keys => ARRAY[enqueue.ordering_key],
-            traceparents => ARRAY[enqueue.traceparent]);
-        -- Unreachable while the two tests agree; should they ever not,
-        -- the error takes the job enqueue_many inserted down with it.
-        RAISE EXCEPTION 'almanac.enqueue found a problem with job kind % that almanac.enqueue_many did not; report this',
-            quote_nullable(enqueue.kind) USING ERRCODE = 'internal_error';
+            traceparents => ARRAY[enqueue.traceparent]) AS e;
+        RETURN;
     END IF;
 
+    -- enqueue_many's one-job insert, with scalars for the arrays' elements
+    -- (a test compares what the two store and refuse).
     INSERT INTO almanac.jobs AS j
         (kind, payload, run_at, max_attempts, idempotency_key, priority, ordering_key, traceparent)
     VALUES (enqueue.kind,
@@ -477,7 +482,7 @@ BEGIN
     -- (a kind that holds the separator can make this suspect a good call;
     -- the query then finds nothing wrong and the call goes on).
     IF array_position(enqueue_many.kinds, NULL) IS NOT NULL
-       OR array_to_string(enqueue_many.kinds, E'\x01', E'\x02') ~ '(^|\x01)\s*(\x01|$)'
+       OR array_to_string(enqueue_many.kinds, E'\x01', E'\x02') ~ E'(^|\\x01)[[:space:]]*(\\x01|$)'
        OR 1 > ANY (enqueue_many.max_attempts)
        OR 0 > ANY (enqueue_many.priorities) OR 9 < ANY (enqueue_many.priorities)
        OR '' = ANY (enqueue_many.idempotency_keys)
@@ -486,7 +491,7 @@ BEGIN
            AND NOT (SELECT bool_and(almanac.traceparent_ok(tp)) FROM unnest(enqueue_many.traceparents) AS tp))
     THEN
         SELECT t.i, CASE
-            WHEN t.kind IS NULL OR t.kind !~ '\S' THEN
+            WHEN t.kind IS NULL OR t.kind !~ '[^[:space:]]' THEN
                 format('the job kind is %s; give the kind its handlers are registered under',
                        CASE WHEN t.kind IS NULL THEN 'NULL' WHEN t.kind = '' THEN 'empty'
                             ELSE quote_literal(t.kind) || ' (white space only)' END)
@@ -507,7 +512,7 @@ BEGIN
         FROM unnest(enqueue_many.kinds, enqueue_many.max_attempts, enqueue_many.priorities,
                     enqueue_many.idempotency_keys, enqueue_many.ordering_keys, enqueue_many.traceparents)
              WITH ORDINALITY AS t(kind, max_attempts, priority, key, okey, tp, i)
-        WHERE t.kind IS NULL OR t.kind !~ '\S' OR t.max_attempts < 1
+        WHERE t.kind IS NULL OR t.kind !~ '[^[:space:]]' OR t.max_attempts < 1
            OR t.priority NOT BETWEEN 0 AND 9 OR t.key = '' OR t.okey = ''
            OR NOT almanac.traceparent_ok(t.tp)
         ORDER BY t.i
@@ -521,7 +526,7 @@ BEGIN
     END IF;
 
     IF n = 1 THEN
-        -- One job (every almanac.enqueue call): the same insert as below,
+        -- One job (almanac.enqueue has its own copy, 0134): the same insert as below,
         -- of one row of values, which is cheaper than unnest and its
         -- aggregates. Elements are taken by position, whatever an array's
         -- lower bound.
@@ -577,7 +582,7 @@ BEGIN
             ORDER BY t.i
             RETURNING j.id
         )
-        SELECT row_number() OVER (ORDER BY ins.id), ins.id, true FROM ins;
+        SELECT row_number() OVER (ORDER BY ins.id), ins.id, true FROM ins ORDER BY 1;
         FOREACH v_kind IN ARRAY (SELECT array_agg(DISTINCT k.kind) FROM unnest(enqueue_many.kinds) AS k(kind)) LOOP
             PERFORM pg_notify('almanac_jobs', v_kind);
         END LOOP;

@@ -7,7 +7,8 @@
 //!   `BEGIN; <enqueue one job>; COMMIT` in a loop (a business transaction
 //!   that enqueues one job), `--enqueue-jobs` jobs per way:
 //!   - `almanac.enqueue(kind => $1, payload => $2)` from plain SQL;
-//!   - the Rust API, `queue::enqueue` (which calls `almanac.enqueue_many`);
+//!   - the Rust API, `queue::enqueue` (which calls `almanac.enqueue` with
+//!     all eight arguments bound);
 //!   - by hand: `INSERT INTO almanac.jobs ... RETURNING id`, then
 //!     `SELECT pg_notify('almanac_jobs', kind)` (the README's recipe before
 //!     the function).
