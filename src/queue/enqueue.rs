@@ -177,6 +177,15 @@ pub enum Enqueued {
 }
 
 impl Enqueued {
+    /// From the functions' `(id, created)`.
+    fn from_row(id: i64, created: bool) -> Self {
+        if created {
+            Enqueued::New(id)
+        } else {
+            Enqueued::Existing(id)
+        }
+    }
+
     pub fn id(self) -> i64 {
         match self {
             Enqueued::New(id) | Enqueued::Existing(id) => id,
@@ -207,11 +216,7 @@ pub async fn enqueue(conn: &mut PgConnection, job: &NewJob) -> Result<Enqueued, 
         .fetch_one(&mut *conn)
         .await
         .map_err(refusal)?;
-    Ok(if created {
-        Enqueued::New(id)
-    } else {
-        Enqueued::Existing(id)
-    })
+    Ok(Enqueued::from_row(id, created))
 }
 
 /// The call [`enqueue`] makes.
@@ -289,13 +294,7 @@ pub async fn enqueue_many(
     }
     Ok(rows
         .into_iter()
-        .map(|(_, id, created)| {
-            if created {
-                Enqueued::New(id)
-            } else {
-                Enqueued::Existing(id)
-            }
-        })
+        .map(|(_, id, created)| Enqueued::from_row(id, created))
         .collect())
 }
 
