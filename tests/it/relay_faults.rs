@@ -760,18 +760,7 @@ async fn a_relay_whose_listen_session_is_killed_listens_again(pool: PgPool) {
     use almanac::metrics::{Metrics, SinkLabel};
     use almanac::role::Role;
     use tokio_util::sync::CancellationToken;
-    let destination = unique("relisten");
-    let mut conn = pool.acquire().await.unwrap();
-    routes::set(
-        &mut conn,
-        "relisten",
-        RouteMode::Broker,
-        Some(SinkKind::Rabbitmq),
-        Some(&destination),
-    )
-    .await
-    .unwrap();
-    drop(conn);
+    brokers::route_to_fresh(&pool, "relisten", RouteMode::Broker, SinkKind::Rabbitmq).await;
     let metrics = Metrics::new();
     let stop = CancellationToken::new();
     let relay = Relay::new(
