@@ -337,6 +337,9 @@ CREATE FUNCTION almanac.enqueue(kind text, payload jsonb DEFAULT '{}'::jsonb, ru
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
+DECLARE
+    v_route text;
+    v_routed boolean := false;
 BEGIN
     -- enqueue_many's checks for one job, as one expression. A job that
     -- fails one (or that this expression only suspects) is enqueued by
@@ -362,11 +365,22 @@ BEGIN
             traceparents => ARRAY[enqueue.traceparent]) AS e;
         RETURN;
     END IF;
-
+    -- The route (0137): the kind's lock, then a new statement reads it.
+    IF enqueue.ordering_key IS NULL THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || enqueue.kind));
+        SELECT coalesce(r.mode, 'db'), o.kind IS NULL INTO v_route, v_routed
+        FROM (SELECT enqueue.kind AS kind) AS k
+        LEFT JOIN almanac.routes AS r ON r.kind = k.kind
+        LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
+    END IF;
+    IF v_routed THEN
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text, true);
+    END IF;
     -- enqueue_many's one-job insert, with scalars for the arrays' elements
     -- (a test compares what the two store and refuse).
     INSERT INTO almanac.jobs AS j
-        (kind, payload, run_at, max_attempts, idempotency_key, priority, ordering_key, traceparent)
+        (kind, payload, run_at, max_attempts, idempotency_key, priority, ordering_key, traceparent,
+         route)
     VALUES (enqueue.kind,
             coalesce(enqueue.payload, '{}'),
             coalesce(enqueue.run_at, now()),
@@ -374,10 +388,14 @@ BEGIN
             enqueue.idempotency_key,
             coalesce(enqueue.priority, 0),
             enqueue.ordering_key,
-            enqueue.traceparent)
+            enqueue.traceparent,
+            coalesce(v_route, 'db'))
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING j.id INTO enqueue.id;
     enqueue.created := FOUND;
+    IF v_routed THEN
+        PERFORM set_config('almanac.routes_taken', '', true);
+    END IF;
     IF enqueue.created THEN
         -- Workers hear of the kind when the transaction commits.
         PERFORM pg_notify('almanac_jobs', enqueue.kind);
@@ -424,6 +442,9 @@ DECLARE
     v_key text;
     v_created boolean[];
     v_missing integer;
+    v_rkinds text[];
+    v_rmodes text[];
+    v_routed boolean := false;
 BEGIN
     -- Every check is first made as one plain expression, which PL/pgSQL
     -- evaluates without a query; only a call that fails one runs the query
@@ -562,6 +583,23 @@ BEGIN
         RETURN;
     END IF;
 
+    -- The batch's routes (0137), once per kind: each kind's route lock,
+    -- in sorted order, then a new statement reads the routes. A batch with
+    -- an ordering key or an ordered kind is routed by the trigger.
+    IF coalesce(num_nonnulls(VARIADIC enqueue_many.ordering_keys), 0) = 0 THEN
+        v_rkinds := ARRAY(SELECT DISTINCT k.kind FROM unnest(enqueue_many.kinds) AS k(kind) ORDER BY 1);
+        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || k.kind))
+        FROM unnest(v_rkinds) AS k(kind);
+        SELECT array_agg(coalesce(r.mode, 'db') ORDER BY k.i), bool_and(o.kind IS NULL)
+        INTO v_rmodes, v_routed
+        FROM unnest(v_rkinds) WITH ORDINALITY AS k(kind, i)
+        LEFT JOIN almanac.routes AS r ON r.kind = k.kind
+        LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
+    END IF;
+    IF v_routed THEN
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text, true);
+    END IF;
+
     -- No job has a key (0135): nothing can conflict, so the rows go in
     -- without ON CONFLICT, every job is new, and the ids, drawn as the
     -- rows are inserted in input order, ascend in input order.
@@ -570,19 +608,23 @@ BEGIN
         WITH ins AS (
             INSERT INTO almanac.jobs AS j
                 (kind, payload, run_at, max_attempts, schedule, logical_run, priority,
-                 ordering_key, traceparent)
+                 ordering_key, traceparent, route)
             SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
                    coalesce(t.max_attempts, 5), t.schedule, t.logical_run, coalesce(t.priority, 0),
-                   t.okey, t.tp
+                   t.okey, t.tp, coalesce(r.mode, 'db')
             FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
                         enqueue_many.max_attempts, enqueue_many.schedules, enqueue_many.logical_runs,
                         enqueue_many.priorities, enqueue_many.ordering_keys, enqueue_many.traceparents)
                  WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, schedule, logical_run,
                                       priority, okey, tp, i)
+            LEFT JOIN unnest(v_rkinds, v_rmodes) AS r(kind, mode) ON r.kind = t.kind
             ORDER BY t.i
             RETURNING j.id
         )
         SELECT row_number() OVER (ORDER BY ins.id), ins.id, true FROM ins ORDER BY 1;
+        IF v_routed THEN
+            PERFORM set_config('almanac.routes_taken', '', true);
+        END IF;
         FOREACH v_kind IN ARRAY (SELECT array_agg(DISTINCT k.kind) FROM unnest(enqueue_many.kinds) AS k(kind)) LOOP
             PERFORM pg_notify('almanac_jobs', v_kind);
         END LOOP;
@@ -594,16 +636,17 @@ BEGIN
     WITH ins AS (
         INSERT INTO almanac.jobs AS j
             (kind, payload, run_at, max_attempts, idempotency_key, schedule, logical_run, priority,
-             ordering_key, traceparent)
+             ordering_key, traceparent, route)
         SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
                coalesce(t.max_attempts, 5), t.key, t.schedule, t.logical_run, coalesce(t.priority, 0),
-               t.okey, t.tp
+               t.okey, t.tp, coalesce(r.mode, 'db')
         FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
                     enqueue_many.max_attempts, enqueue_many.idempotency_keys,
                     enqueue_many.schedules, enqueue_many.logical_runs, enqueue_many.priorities,
                     enqueue_many.ordering_keys, enqueue_many.traceparents)
              WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run,
                                   priority, okey, tp, i)
+        LEFT JOIN unnest(v_rkinds, v_rmodes) AS r(kind, mode) ON r.kind = t.kind
         -- Of jobs with the same key in one call, the first is inserted.
         ORDER BY t.i
         ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
@@ -613,6 +656,9 @@ BEGIN
            array_agg(DISTINCT ins.kind)
     INTO v_ids, v_keys, v_kinds
     FROM ins;
+    IF v_routed THEN
+        PERFORM set_config('almanac.routes_taken', '', true);
+    END IF;
 
     -- Workers hear of each kind that got a new row when the transaction
     -- commits (never before, never after a rollback).
@@ -1985,7 +2031,7 @@ CREATE TRIGGER jobs_release_ended_update AFTER UPDATE ON almanac.jobs REFERENCIN
 -- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW EXECUTE FUNCTION almanac.jobs_take_route();
+CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN ((current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (pg_current_xact_id())::text)) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

@@ -2,7 +2,8 @@
 //! the SQL functions that are the one implementation of enqueue (every
 //! language calls them; migrations/0114_enqueue_function.sql, 0115 for
 //! their last two parameters, 0134 for `enqueue`'s own one-job insert,
-//! docs/enqueue.md).
+//! 0137 for the route read once per kind instead of by the insert trigger
+//! once per row, docs/enqueue.md).
 //!
 //! What an enqueue guarantees: it runs in the caller's transaction, so the
 //! job commits or rolls back with the caller's own rows; a job with an

@@ -10,7 +10,8 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, PgExecutor};
 
 /// The advisory lock key of `kind`'s route: every insert of a job takes it
-/// shared (the `jobs_take_route` trigger, whose text must match), `almanac
+/// shared (the `jobs_take_route` trigger and, for their own inserts, the
+/// enqueue functions of migration 0137, whose text must match), `almanac
 /// route set` exclusively, so an enqueue is ordered against a route change.
 pub fn route_lock_key(kind: &str) -> String {
     format!("almanac.route:{kind}")

@@ -6,7 +6,8 @@
 //! runs the job. `broker`: only broker consumers run it.
 //!
 //! **A short change, then a walk.** `set` takes the kind's advisory lock
-//! exclusively (enqueue takes it shared, in the insert trigger, and so does
+//! exclusively (enqueue takes it shared, in the insert trigger or, for
+//! their own inserts, in the enqueue functions, migration 0137, and so does
 //! a job coming back to `ready`, through `almanac.route_of`, migration 0107), writes the route and
 //! commits: new jobs and jobs ready again take the new route from then on.
 //! It then walks the kind's ready jobs in windows of [`WINDOW`], each in a

@@ -29,6 +29,7 @@ mod compose;
 mod consumer_faults;
 mod consumer_kinds;
 mod counts;
+mod enqueue_routes;
 mod enqueue_sql;
 mod exec;
 mod exec_faults;

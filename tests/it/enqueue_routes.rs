@@ -1,0 +1,327 @@
+//! The enqueue functions take their jobs' routes themselves, once per kind
+//! (migration 0137), instead of the insert trigger once per row. What a
+//! user relies on is unchanged: every job gets its kind's route and, off
+//! `db`, its outbox row; an enqueue is ordered against `almanac route set`
+//! (it holds the kind's lock until it commits, and a change committed while
+//! it waited is the route it takes); and no other insert skips the trigger,
+//! in the same transaction or after an error.
+
+use std::time::Duration;
+
+use almanac::queue::{self, NewJob};
+use almanac::relay::routes::{self, RouteError, RouteMode};
+use almanac::relay::SinkKind;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::harness::eventually;
+
+/// Each kind and the route it is given: (kind, mode, sink, destination).
+const ROUTES: [(&str, RouteMode, Option<SinkKind>, Option<&str>); 2] = [
+    (
+        "to_kafka",
+        RouteMode::Broker,
+        Some(SinkKind::Kafka),
+        Some("topic-a"),
+    ),
+    (
+        "to_rabbit",
+        RouteMode::Dual,
+        Some(SinkKind::Rabbitmq),
+        Some("queue-b"),
+    ),
+];
+
+async fn set_routes(pool: &PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    for (kind, mode, sink, destination) in ROUTES {
+        routes::set(&mut conn, kind, mode, sink, destination)
+            .await
+            .unwrap();
+    }
+    sqlx::query("INSERT INTO almanac.kind_ordering (kind, set_by) VALUES ('ordered', 'test')")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}
+
+/// Jobs whose route or outbox rows are not their kind's: (id, kind, route,
+/// outbox rows as `sink/destination`).
+async fn misrouted(conn: &mut PgConnection) -> Vec<(i64, String, String, Vec<String>)> {
+    sqlx::query_as(
+        "SELECT j.id, j.kind, j.route,
+                coalesce(array_agg(o.sink || '/' || o.destination) FILTER (WHERE o.id IS NOT NULL), '{}')
+         FROM almanac.jobs AS j
+         LEFT JOIN almanac.routes AS r ON r.kind = j.kind
+         LEFT JOIN almanac.outbox AS o ON o.job_id = j.id
+         GROUP BY j.id, j.kind, j.route, r.mode, r.sink, r.destination
+         HAVING j.route <> coalesce(r.mode, 'db')
+             OR count(o.id) <> CASE WHEN coalesce(r.mode, 'db') = 'db' THEN 0 ELSE 1 END
+             OR bool_or(o.sink IS DISTINCT FROM r.sink OR o.destination IS DISTINCT FROM r.destination)
+         ORDER BY j.id",
+    )
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+/// The marker that lets the functions' own insert skip the trigger.
+async fn marker(conn: &mut PgConnection) -> Option<String> {
+    sqlx::query_scalar("SELECT current_setting('almanac.routes_taken', true)")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// A job of a routed kind inserted by hand, asking for `db`: the trigger
+/// must give it its kind's route.
+async fn insert_by_hand(conn: &mut PgConnection) -> String {
+    sqlx::query_scalar(
+        "INSERT INTO almanac.jobs (kind, route) VALUES ('to_kafka', 'db') RETURNING route",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(pool: PgPool) {
+    set_routes(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    for call in [
+        // One job, each kind.
+        "SELECT count(*) FROM almanac.enqueue('to_kafka')",
+        "SELECT count(*) FROM almanac.enqueue('to_rabbit', idempotency_key => 'r1')",
+        "SELECT count(*) FROM almanac.enqueue('plain')",
+        "SELECT count(*) FROM almanac.enqueue('ordered', ordering_key => 'k')",
+        // Batches: without keys, with keys (one taken), with an ordered
+        // kind or an ordering key (routed by the trigger).
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'plain', 'to_rabbit', 'to_kafka'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_rabbit', 'to_kafka', 'to_rabbit'], \
+             idempotency_keys => ARRAY['r1', 'k2', NULL])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['ordered', 'to_kafka', 'plain'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['plain', 'to_kafka'], \
+             ordering_keys => ARRAY[NULL, NULL])",
+    ] {
+        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        let left = marker(&mut tx).await;
+        assert!(
+            left.as_deref().unwrap_or_default().is_empty(),
+            "{call} left the marker set: {left:?}"
+        );
+        assert_eq!(insert_by_hand(&mut tx).await, "broker", "after {call}");
+    }
+    let jobs: Vec<NewJob> = ["to_kafka", "plain", "to_rabbit"]
+        .into_iter()
+        .map(NewJob::new)
+        .collect();
+    queue::enqueue_many(&mut tx, &jobs).await.unwrap();
+    queue::enqueue(&mut tx, &NewJob::new("to_rabbit"))
+        .await
+        .unwrap();
+    // A value set by hand names no transaction, or not this one.
+    for value in ["on", "1", "true"] {
+        sqlx::query("SELECT set_config('almanac.routes_taken', $1, true)")
+            .bind(value)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(insert_by_hand(&mut tx).await, "broker", "marker {value}");
+    }
+    tx.commit().await.unwrap();
+
+    let wrong = misrouted(&mut conn).await;
+    assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
+    let per_kind: Vec<(String, i64)> =
+        sqlx::query_as("SELECT kind, count(*) FROM almanac.jobs GROUP BY kind ORDER BY kind")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+    let per_kind: Vec<(&str, i64)> = per_kind.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    assert_eq!(
+        per_kind,
+        [
+            ("ordered", 2),
+            ("plain", 5),
+            ("to_kafka", 18),
+            ("to_rabbit", 5)
+        ]
+    );
+}
+
+/// A call that fails after the function set its marker (a trigger of the
+/// user's refuses a row) rolls the marker back with the savepoint: the next
+/// insert is routed.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_failed_call_leaves_no_insert_unrouted(pool: PgPool) {
+    set_routes(&pool).await;
+    sqlx::query(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'refused'; END IF;
+             RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER zz_refuse BEFORE INSERT ON almanac.jobs
+         FOR EACH ROW EXECUTE FUNCTION public.refuse()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    for call in [
+        "SELECT count(*) FROM almanac.enqueue('to_kafka', '{\"refuse\": 1}')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'], \
+             ARRAY['{}', '{\"refuse\": 1}']::jsonb[])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'], \
+             ARRAY['{}', '{\"refuse\": 1}']::jsonb[], idempotency_keys => ARRAY['a', 'b'])",
+    ] {
+        let mut savepoint = tx.begin().await.unwrap();
+        let err = sqlx::query(call)
+            .execute(&mut *savepoint)
+            .await
+            .expect_err(call);
+        assert!(err.to_string().contains("refused"), "{call}: {err}");
+        savepoint.rollback().await.unwrap();
+        assert_eq!(insert_by_hand(&mut tx).await, "broker", "after {call}");
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(
+        crate::harness::count(&pool, "SELECT count(*) FROM almanac.jobs").await,
+        3
+    );
+    assert!(misrouted(&mut conn).await.is_empty());
+}
+
+/// `route set` waits for an open enqueue of the kind (whichever function,
+/// whichever path), and names it.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn an_open_enqueue_holds_each_of_its_kinds_against_a_route_change(pool: PgPool) {
+    let mut app = pool.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *app)
+        .await
+        .unwrap();
+    let mut tx = app.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM almanac.enqueue_many(ARRAY['a', 'b', 'a'])")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['c', 'c'], idempotency_keys => ARRAY['x', 'y'])",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query("SELECT count(*) FROM almanac.enqueue('d')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut operator = pool.acquire().await.unwrap();
+    for kind in ["a", "b", "c", "d"] {
+        let change = routes::set_within(
+            &mut operator,
+            kind,
+            RouteMode::Broker,
+            Some(SinkKind::Kafka),
+            Some("t"),
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+        match change {
+            Err(RouteError::LockTimeout { blockers, .. }) => assert!(
+                blockers.iter().any(|b| b.pid == pid),
+                "{kind}: the enqueue is named among {blockers:?}"
+            ),
+            other => panic!("{kind}: route set went ahead of an open enqueue: {other:?}"),
+        }
+    }
+    tx.commit().await.unwrap();
+    for kind in ["a", "b", "c", "d"] {
+        routes::set(
+            &mut operator,
+            kind,
+            RouteMode::Broker,
+            Some(SinkKind::Kafka),
+            Some("t"),
+        )
+        .await
+        .unwrap();
+    }
+    assert!(misrouted(&mut operator).await.is_empty());
+}
+
+/// An enqueue that waited for a route change takes the route the change
+/// committed: the functions read the route after the lock, in a statement
+/// of its own.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn an_enqueue_that_waited_for_a_route_change_takes_the_new_route(pool: PgPool) {
+    set_routes(&pool).await;
+    let mut change = pool.acquire().await.unwrap();
+    let mut tx = change.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('almanac.route:to_kafka'))")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE almanac.routes SET mode = 'db', sink = NULL, destination = NULL WHERE kind = 'to_kafka'",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let calls = [
+        "SELECT count(*) FROM almanac.enqueue('to_kafka')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'], \
+             idempotency_keys => ARRAY['p', 'q'])",
+    ];
+    let mut pids = Vec::new();
+    let mut waiting = tokio::task::JoinSet::new();
+    for call in calls {
+        let mut conn = pool.acquire().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        pids.push(pid);
+        waiting.spawn(async move {
+            sqlx::query(call).execute(&mut *conn).await.unwrap();
+        });
+    }
+    eventually(
+        "every enqueue waits for the route lock",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                 AND pid = ANY($1)",
+            )
+            .bind(&pids)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == calls.len() as i64
+        },
+    )
+    .await;
+    tx.commit().await.unwrap();
+    while let Some(done) = waiting.join_next().await {
+        done.unwrap();
+    }
+    let routes: Vec<String> = sqlx::query_scalar("SELECT DISTINCT route FROM almanac.jobs")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(routes, ["db"], "the route committed while they waited");
+    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM almanac.outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(outbox, 0);
+}
