@@ -340,6 +340,7 @@ CREATE FUNCTION almanac.enqueue(kind text, payload jsonb DEFAULT '{}'::jsonb, ru
 DECLARE
     v_route text;
     v_routed boolean := false;
+    v_marker text;
 BEGIN
     -- enqueue_many's checks for one job, as one expression. A job that
     -- fails one (or that this expression only suspects) is enqueued by
@@ -374,7 +375,8 @@ BEGIN
         LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
     END IF;
     IF v_routed THEN
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text, true);
+        v_marker := current_setting('almanac.routes_taken', true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth(), true);
     END IF;
     -- enqueue_many's one-job insert, with scalars for the arrays' elements
     -- (a test compares what the two store and refuse).
@@ -394,7 +396,7 @@ BEGIN
     RETURNING j.id INTO enqueue.id;
     enqueue.created := FOUND;
     IF v_routed THEN
-        PERFORM set_config('almanac.routes_taken', '', true);
+        PERFORM set_config('almanac.routes_taken', coalesce(v_marker, ''), true);
     END IF;
     IF enqueue.created THEN
         -- Workers hear of the kind when the transaction commits.
@@ -445,6 +447,7 @@ DECLARE
     v_rkinds text[];
     v_rmodes text[];
     v_routed boolean := false;
+    v_marker text;
 BEGIN
     -- Every check is first made as one plain expression, which PL/pgSQL
     -- evaluates without a query; only a call that fails one runs the query
@@ -597,7 +600,8 @@ BEGIN
         LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
     END IF;
     IF v_routed THEN
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text, true);
+        v_marker := current_setting('almanac.routes_taken', true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth(), true);
     END IF;
 
     -- No job has a key (0135): nothing can conflict, so the rows go in
@@ -623,7 +627,7 @@ BEGIN
         )
         SELECT row_number() OVER (ORDER BY ins.id), ins.id, true FROM ins ORDER BY 1;
         IF v_routed THEN
-            PERFORM set_config('almanac.routes_taken', '', true);
+            PERFORM set_config('almanac.routes_taken', coalesce(v_marker, ''), true);
         END IF;
         FOREACH v_kind IN ARRAY (SELECT array_agg(DISTINCT k.kind) FROM unnest(enqueue_many.kinds) AS k(kind)) LOOP
             PERFORM pg_notify('almanac_jobs', v_kind);
@@ -657,7 +661,7 @@ BEGIN
     INTO v_ids, v_keys, v_kinds
     FROM ins;
     IF v_routed THEN
-        PERFORM set_config('almanac.routes_taken', '', true);
+        PERFORM set_config('almanac.routes_taken', coalesce(v_marker, ''), true);
     END IF;
 
     -- Workers hear of each kind that got a new row when the transaction
@@ -2031,7 +2035,7 @@ CREATE TRIGGER jobs_release_ended_update AFTER UPDATE ON almanac.jobs REFERENCIN
 -- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN ((current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (pg_current_xact_id())::text)) EXECUTE FUNCTION almanac.jobs_take_route();
+CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN ((current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (((pg_current_xact_id())::text || ':'::text) || pg_trigger_depth()))) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

@@ -4,7 +4,7 @@
 //! `db`, its outbox row; an enqueue is ordered against `almanac route set`
 //! (it holds the kind's lock until it commits, and a change committed while
 //! it waited is the route it takes); and no other insert skips the trigger,
-//! in the same transaction or after an error.
+//! in the same transaction, one trigger level down or after an error.
 
 use std::time::Duration;
 
@@ -95,7 +95,8 @@ async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(p
         "SELECT count(*) FROM almanac.enqueue('plain')",
         "SELECT count(*) FROM almanac.enqueue('ordered', ordering_key => 'k')",
         // Batches: without keys, with keys (one taken), with an ordered
-        // kind or an ordering key (routed by the trigger).
+        // kind (routed by the trigger), with ordering keys all NULL (the
+        // functions' own path).
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'plain', 'to_rabbit', 'to_kafka'])",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_rabbit', 'to_kafka', 'to_rabbit'], \
              idempotency_keys => ARRAY['r1', 'k2', NULL])",
@@ -258,10 +259,10 @@ async fn an_open_enqueue_holds_each_of_its_kinds_against_a_route_change(pool: Pg
 }
 
 /// An enqueue that waited for a route change takes the route the change
-/// committed: the functions read the route after the lock, in a statement
-/// of its own.
+/// committed, and one that waited for `ordering set` is ordered: the
+/// functions read both after the lock, in a statement of their own.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
-async fn an_enqueue_that_waited_for_a_route_change_takes_the_new_route(pool: PgPool) {
+async fn an_enqueue_that_waited_for_a_route_or_ordering_change_takes_it(pool: PgPool) {
     set_routes(&pool).await;
     let mut change = pool.acquire().await.unwrap();
     let mut tx = change.begin().await.unwrap();
@@ -275,7 +276,22 @@ async fn an_enqueue_that_waited_for_a_route_change_takes_the_new_route(pool: PgP
     .execute(&mut *tx)
     .await
     .unwrap();
+    // And `ordering set` of another kind, under its lock.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('almanac.route:late'))")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
+         VALUES ('late', '/acct', '{acct}', 'test')",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
     let calls = [
+        "SELECT count(*) FROM almanac.enqueue('late', '{\"acct\": \"x\"}')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['late', 'late'], \
+             ARRAY['{\"acct\": \"x\"}', '{\"acct\": \"x\"}']::jsonb[])",
         "SELECT count(*) FROM almanac.enqueue('to_kafka')",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'])",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'], \
@@ -284,14 +300,17 @@ async fn an_enqueue_that_waited_for_a_route_change_takes_the_new_route(pool: PgP
     let mut pids = Vec::new();
     let mut waiting = tokio::task::JoinSet::new();
     for call in calls {
-        let mut conn = pool.acquire().await.unwrap();
+        // Connections of their own: more than the test pool holds.
+        let mut conn = PgConnection::connect_with(&pool.connect_options())
+            .await
+            .unwrap();
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut conn)
             .await
             .unwrap();
         pids.push(pid);
         waiting.spawn(async move {
-            sqlx::query(call).execute(&mut *conn).await.unwrap();
+            sqlx::query(call).execute(&mut conn).await.unwrap();
         });
     }
     eventually(
@@ -324,4 +343,146 @@ async fn an_enqueue_that_waited_for_a_route_change_takes_the_new_route(pool: PgP
         .await
         .unwrap();
     assert_eq!(outbox, 0);
+    let late: Vec<(String, Option<String>, i64)> = sqlx::query_as(
+        "SELECT status, ordering_key, count(*) FROM almanac.jobs WHERE kind = 'late' \
+         GROUP BY 1, 2 ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        late,
+        [
+            ("held".to_string(), Some("x".to_string()), 2),
+            ("ready".to_string(), Some("x".to_string()), 1)
+        ],
+        "ordered as the change committed while they waited"
+    );
+}
+
+/// Jobs a trigger inserts while an enqueue function inserts (a user's
+/// trigger on `almanac.jobs` fanning a job out) are routed and ordered by
+/// the insert trigger: the functions' marker names their own statement's
+/// trigger depth, and a nested enqueue leaves the outer one's marker as it
+/// was (migration 0138).
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: PgPool) {
+    set_routes(&pool).await;
+    sqlx::query(
+        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
+         VALUES ('per_account', '/acct', '{acct}', 'test')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE FUNCTION public.fan_out() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.kind = 'parent' THEN
+                 INSERT INTO almanac.jobs (kind) VALUES ('to_kafka');
+                 PERFORM almanac.enqueue('to_rabbit');
+                 PERFORM almanac.enqueue('per_account', '{\"acct\": \"a-1\"}');
+                 PERFORM almanac.enqueue_many(ARRAY['to_kafka', 'plain']);
+             END IF;
+             RETURN NULL;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER zz_fan_out AFTER INSERT ON almanac.jobs
+         FOR EACH ROW EXECUTE FUNCTION public.fan_out()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    for call in [
+        "SELECT count(*) FROM almanac.enqueue('parent')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'to_kafka', 'parent'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'to_kafka'], \
+             idempotency_keys => ARRAY['p', 'k'])",
+    ] {
+        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        let left = marker(&mut tx).await;
+        assert!(
+            left.as_deref().unwrap_or_default().is_empty(),
+            "{call} left the marker set: {left:?}"
+        );
+    }
+    tx.commit().await.unwrap();
+
+    let wrong = misrouted(&mut conn).await;
+    assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
+    // Four parents, each fanned out into five jobs.
+    let per_kind: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT kind, status, count(*) FROM almanac.jobs \
+         WHERE kind <> 'parent' OR status <> 'ready' GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let per_kind: Vec<(&str, &str, i64)> = per_kind
+        .iter()
+        .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
+        .collect();
+    assert_eq!(
+        per_kind,
+        [
+            ("per_account", "held", 3),
+            ("per_account", "ready", 1),
+            ("plain", "ready", 4),
+            ("to_kafka", "ready", 10),
+            ("to_rabbit", "ready", 4),
+        ]
+    );
+    let keys: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT DISTINCT ordering_key FROM almanac.jobs WHERE kind = 'per_account'",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(keys, [Some("a-1".to_string())]);
+}
+
+/// The speed of 0137 is the trigger not running for the functions' own
+/// rows: counted with `track_functions`, a batch and a single job without
+/// ordering call it for no row, while an ordered kind's rows and a
+/// hand-written insert still do.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn the_trigger_runs_for_no_row_the_functions_route_and_for_every_other(pool: PgPool) {
+    set_routes(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut trigger_calls = Vec::new();
+    for call in [
+        "SELECT count(*) FROM almanac.enqueue_many(\
+             (SELECT array_agg(k) FROM unnest(ARRAY['plain', 'to_kafka', 'to_rabbit']) AS k, \
+                  generate_series(1, 100)))",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'plain'], \
+             idempotency_keys => ARRAY['a', 'b'])",
+        "SELECT count(*) FROM almanac.enqueue('to_kafka')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['ordered', 'plain', 'to_kafka'])",
+        "SELECT count(*) FROM almanac.enqueue('ordered')",
+        "INSERT INTO almanac.jobs (kind) VALUES ('to_kafka'), ('plain')",
+    ] {
+        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        let calls: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions \
+             WHERE schemaname = 'almanac' AND funcname = 'jobs_take_route'",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        trigger_calls.push(calls);
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(trigger_calls, [0, 0, 0, 3, 4, 6]);
+    assert!(misrouted(&mut conn).await.is_empty());
 }
