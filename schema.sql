@@ -376,7 +376,7 @@ BEGIN
     END IF;
     IF v_routed THEN
         v_marker := current_setting('almanac.routes_taken', true);
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth(), true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || enqueue.kind, true);
     END IF;
     -- enqueue_many's one-job insert, with scalars for the arrays' elements
     -- (a test compares what the two store and refuse).
@@ -598,10 +598,12 @@ BEGIN
         FROM unnest(v_rkinds) WITH ORDINALITY AS k(kind, i)
         LEFT JOIN almanac.routes AS r ON r.kind = k.kind
         LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
+        -- One kind only (0139): the marker names it.
+        v_routed := v_routed AND cardinality(v_rkinds) = 1;
     END IF;
     IF v_routed THEN
         v_marker := current_setting('almanac.routes_taken', true);
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth(), true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_rkinds[1], true);
     END IF;
 
     -- No job has a key (0135): nothing can conflict, so the rows go in
@@ -2035,7 +2037,7 @@ CREATE TRIGGER jobs_release_ended_update AFTER UPDATE ON almanac.jobs REFERENCIN
 -- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN ((current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (((pg_current_xact_id())::text || ':'::text) || pg_trigger_depth()))) EXECUTE FUNCTION almanac.jobs_take_route();
+CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) OR (current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (((((pg_current_xact_id())::text || ':'::text) || pg_trigger_depth()) || ':'::text) || new.kind)))) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

@@ -4,7 +4,8 @@
 //! `db`, its outbox row; an enqueue is ordered against `almanac route set`
 //! (it holds the kind's lock until it commits, and a change committed while
 //! it waited is the route it takes); and no other insert skips the trigger,
-//! in the same transaction, one trigger level down or after an error.
+//! in the same transaction, one trigger level down, rewritten by a user's
+//! trigger or after an error.
 
 use std::time::Duration;
 
@@ -72,6 +73,14 @@ async fn marker(conn: &mut PgConnection) -> Option<String> {
         .unwrap()
 }
 
+/// The current transaction's id, as the marker names it.
+async fn xid(conn: &mut PgConnection) -> String {
+    sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
 /// A job of a routed kind inserted by hand, asking for `db`: the trigger
 /// must give it its kind's route.
 async fn insert_by_hand(conn: &mut PgConnection) -> String {
@@ -120,10 +129,19 @@ async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(p
     queue::enqueue(&mut tx, &NewJob::new("to_rabbit"))
         .await
         .unwrap();
-    // A value set by hand names no transaction, or not this one.
-    for value in ["on", "1", "true"] {
+    // A value set by hand that names no transaction, or this one at
+    // another depth or for another kind, skips nothing.
+    for value in [
+        "on",
+        "1",
+        "true",
+        "{xid}:1:to_kafka",
+        "{xid}:0:plain",
+        "{xid}:0",
+    ] {
+        let value = value.replace("{xid}", &xid(&mut tx).await);
         sqlx::query("SELECT set_config('almanac.routes_taken', $1, true)")
-            .bind(value)
+            .bind(&value)
             .execute(&mut *tx)
             .await
             .unwrap();
@@ -144,7 +162,7 @@ async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(p
         [
             ("ordered", 2),
             ("plain", 5),
-            ("to_kafka", 18),
+            ("to_kafka", 21),
             ("to_rabbit", 5)
         ]
     );
@@ -363,8 +381,10 @@ async fn an_enqueue_that_waited_for_a_route_or_ordering_change_takes_it(pool: Pg
 /// Jobs a trigger inserts while an enqueue function inserts (a user's
 /// trigger on `almanac.jobs` fanning a job out) are routed and ordered by
 /// the insert trigger: the functions' marker names their own statement's
-/// trigger depth, and a nested enqueue leaves the outer one's marker as it
-/// was (migration 0138).
+/// trigger depth (migration 0138). A nested enqueue restores the outer
+/// call's marker, so the outer batch's later rows still skip the trigger:
+/// counted with `track_functions`, it runs only for the nested rows that
+/// are not a nested function's own.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: PgPool) {
     set_routes(&pool).await;
@@ -375,6 +395,8 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
     .execute(&pool)
     .await
     .unwrap();
+    // A BEFORE trigger, after the route trigger (triggers fire in name
+    // order): it runs while the outer call's batch is half inserted.
     sqlx::query(
         "CREATE FUNCTION public.fan_out() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
@@ -382,16 +404,16 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
                  INSERT INTO almanac.jobs (kind) VALUES ('to_kafka');
                  PERFORM almanac.enqueue('to_rabbit');
                  PERFORM almanac.enqueue('per_account', '{\"acct\": \"a-1\"}');
-                 PERFORM almanac.enqueue_many(ARRAY['to_kafka', 'plain']);
+                 PERFORM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka']);
              END IF;
-             RETURN NULL;
+             RETURN NEW;
          END $$",
     )
     .execute(&pool)
     .await
     .unwrap();
     sqlx::query(
-        "CREATE TRIGGER zz_fan_out AFTER INSERT ON almanac.jobs
+        "CREATE TRIGGER zz_fan_out BEFORE INSERT ON almanac.jobs
          FOR EACH ROW EXECUTE FUNCTION public.fan_out()",
     )
     .execute(&pool)
@@ -399,11 +421,15 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
     .unwrap();
     let mut conn = pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
     for call in [
         "SELECT count(*) FROM almanac.enqueue('parent')",
-        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'to_kafka', 'parent'])",
-        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'to_kafka'], \
-             idempotency_keys => ARRAY['p', 'k'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'parent', 'parent'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'parent'], \
+             idempotency_keys => ARRAY['p', 'q'])",
     ] {
         sqlx::query(call).execute(&mut *tx).await.unwrap();
         let left = marker(&mut tx).await;
@@ -412,11 +438,13 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
             "{call} left the marker set: {left:?}"
         );
     }
+    // Six parents, each with two rows for the trigger: the hand insert and
+    // the ordered kind's job.
+    assert_eq!(trigger_calls(&mut tx).await, 12);
     tx.commit().await.unwrap();
 
     let wrong = misrouted(&mut conn).await;
     assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
-    // Four parents, each fanned out into five jobs.
     let per_kind: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT kind, status, count(*) FROM almanac.jobs \
          WHERE kind <> 'parent' OR status <> 'ready' GROUP BY 1, 2 ORDER BY 1, 2",
@@ -431,11 +459,10 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
     assert_eq!(
         per_kind,
         [
-            ("per_account", "held", 3),
+            ("per_account", "held", 5),
             ("per_account", "ready", 1),
-            ("plain", "ready", 4),
-            ("to_kafka", "ready", 10),
-            ("to_rabbit", "ready", 4),
+            ("to_kafka", "ready", 18),
+            ("to_rabbit", "ready", 6),
         ]
     );
     let keys: Vec<Option<String>> = sqlx::query_scalar(
@@ -447,10 +474,92 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
     assert_eq!(keys, [Some("a-1".to_string())]);
 }
 
+/// A user's BEFORE trigger that runs ahead of the route trigger and
+/// changes the row is obeyed (migration 0139): a kind it rewrites takes
+/// the new kind's route and ordering, and an ordering key it sets is
+/// refused on a kind that is not ordered, as for a hand-written insert.
+#[sqlx::test(migrator = "almanac::db::MIGRATOR")]
+async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
+    set_routes(&pool).await;
+    sqlx::query(
+        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
+         VALUES ('per_account', '/acct', '{acct}', 'test')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE FUNCTION public.rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.kind = 'alias' THEN NEW.kind := 'to_kafka'; END IF;
+             IF NEW.kind = 'alias_ordered' THEN NEW.kind := 'per_account'; END IF;
+             IF NEW.kind = 'keyed' THEN NEW.ordering_key := 'k1'; END IF;
+             RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER aa_rewrite BEFORE INSERT ON almanac.jobs
+         FOR EACH ROW EXECUTE FUNCTION public.rewrite()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for call in [
+        "SELECT count(*) FROM almanac.enqueue('alias')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias', 'alias'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias', 'alias'], \
+             idempotency_keys => ARRAY['x', 'y'])",
+        "SELECT count(*) FROM almanac.enqueue('alias_ordered', '{\"acct\": \"z\"}')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias_ordered', 'alias_ordered'], \
+             ARRAY['{\"acct\": \"z\"}', '{\"acct\": \"z\"}']::jsonb[])",
+    ] {
+        sqlx::query(call).execute(&pool).await.unwrap();
+    }
+    for call in [
+        "SELECT count(*) FROM almanac.enqueue('keyed')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['keyed', 'keyed'])",
+    ] {
+        match sqlx::query(call).execute(&pool).await {
+            Err(sqlx::Error::Database(e)) => {
+                assert_eq!(e.code().as_deref(), Some("22023"), "{call}: {e}");
+                assert!(
+                    e.message().contains("kind 'keyed' is not ordered"),
+                    "{call}: {e}"
+                );
+            }
+            other => panic!("{call}: a key on an unordered kind went in: {other:?}"),
+        }
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    let wrong = misrouted(&mut conn).await;
+    assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
+    let per_kind: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT kind, status, count(*) FROM almanac.jobs GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let per_kind: Vec<(&str, &str, i64)> = per_kind
+        .iter()
+        .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
+        .collect();
+    assert_eq!(
+        per_kind,
+        [
+            ("per_account", "held", 2),
+            ("per_account", "ready", 1),
+            ("to_kafka", "ready", 5),
+        ]
+    );
+}
+
 /// The speed of 0137 is the trigger not running for the functions' own
-/// rows: counted with `track_functions`, a batch and a single job without
-/// ordering call it for no row, while an ordered kind's rows and a
-/// hand-written insert still do.
+/// rows: counted with `track_functions`, calls of one kind without ordering
+/// call it for no row, while a batch of several kinds (0139), an ordered
+/// kind's rows and a hand-written insert still do.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn the_trigger_runs_for_no_row_the_functions_route_and_for_every_other(pool: PgPool) {
     set_routes(&pool).await;
@@ -460,29 +569,33 @@ async fn the_trigger_runs_for_no_row_the_functions_route_and_for_every_other(poo
         .execute(&mut *tx)
         .await
         .unwrap();
-    let mut trigger_calls = Vec::new();
+    let mut counted = Vec::new();
     for call in [
-        "SELECT count(*) FROM almanac.enqueue_many(\
-             (SELECT array_agg(k) FROM unnest(ARRAY['plain', 'to_kafka', 'to_rabbit']) AS k, \
-                  generate_series(1, 100)))",
-        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'plain'], \
+        "SELECT count(*) FROM almanac.enqueue_many(array_fill('to_kafka'::text, ARRAY[300]))",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['plain', 'plain'], \
              idempotency_keys => ARRAY['a', 'b'])",
-        "SELECT count(*) FROM almanac.enqueue('to_kafka')",
-        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['ordered', 'plain', 'to_kafka'])",
+        "SELECT count(*) FROM almanac.enqueue('to_rabbit')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['plain', 'to_kafka'])",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['ordered', 'ordered', 'ordered'])",
         "SELECT count(*) FROM almanac.enqueue('ordered')",
         "INSERT INTO almanac.jobs (kind) VALUES ('to_kafka'), ('plain')",
     ] {
         sqlx::query(call).execute(&mut *tx).await.unwrap();
-        let calls: i64 = sqlx::query_scalar(
-            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions \
-             WHERE schemaname = 'almanac' AND funcname = 'jobs_take_route'",
-        )
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-        trigger_calls.push(calls);
+        counted.push(trigger_calls(&mut tx).await);
     }
     tx.commit().await.unwrap();
-    assert_eq!(trigger_calls, [0, 0, 0, 3, 4, 6]);
+    assert_eq!(counted, [0, 0, 0, 2, 5, 6, 8]);
     assert!(misrouted(&mut conn).await.is_empty());
+}
+
+/// How many times the route trigger ran in this transaction (with
+/// `track_functions` on).
+async fn trigger_calls(conn: &mut PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions \
+         WHERE schemaname = 'almanac' AND funcname = 'jobs_take_route'",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
 }
