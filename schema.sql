@@ -376,7 +376,7 @@ BEGIN
     END IF;
     IF v_routed THEN
         v_marker := current_setting('almanac.routes_taken', true);
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || enqueue.kind, true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_route || ':' || enqueue.kind, true);
     END IF;
     -- enqueue_many's one-job insert, with scalars for the arrays' elements
     -- (a test compares what the two store and refuse).
@@ -603,7 +603,7 @@ BEGIN
     END IF;
     IF v_routed THEN
         v_marker := current_setting('almanac.routes_taken', true);
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_rkinds[1], true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_rmodes[1] || ':' || v_rkinds[1], true);
     END IF;
 
     -- No job has a key (0135): nothing can conflict, so the rows go in
@@ -2037,7 +2037,7 @@ CREATE TRIGGER jobs_release_ended_update AFTER UPDATE ON almanac.jobs REFERENCIN
 -- Name: jobs jobs_take_route; Type: TRIGGER; Schema: almanac; Owner: -
 --
 
-CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) OR (current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (((((pg_current_xact_id())::text || ':'::text) || pg_trigger_depth()) || ':'::text) || new.kind)))) EXECUTE FUNCTION almanac.jobs_take_route();
+CREATE TRIGGER jobs_take_route BEFORE INSERT ON almanac.jobs FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) OR (current_setting('almanac.routes_taken'::text, true) IS DISTINCT FROM (((((((pg_current_xact_id())::text || ':'::text) || pg_trigger_depth()) || ':'::text) || new.route) || ':'::text) || new.kind)))) EXECUTE FUNCTION almanac.jobs_take_route();
 
 
 --

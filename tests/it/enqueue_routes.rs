@@ -475,9 +475,10 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
 }
 
 /// A user's BEFORE trigger that runs ahead of the route trigger and
-/// changes the row is obeyed (migration 0139): a kind it rewrites takes
-/// the new kind's route and ordering, and an ordering key it sets is
-/// refused on a kind that is not ordered, as for a hand-written insert.
+/// changes the row meets the route trigger, as a hand-written insert's row
+/// does (migrations 0139, 0140): a kind it rewrites takes the new kind's
+/// route and ordering, an ordering key it sets is refused on a kind that
+/// is not ordered, and a route it sets is overwritten with the kind's.
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
     set_routes(&pool).await;
@@ -494,6 +495,7 @@ async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
              IF NEW.kind = 'alias' THEN NEW.kind := 'to_kafka'; END IF;
              IF NEW.kind = 'alias_ordered' THEN NEW.kind := 'per_account'; END IF;
              IF NEW.kind = 'keyed' THEN NEW.ordering_key := 'k1'; END IF;
+             IF NEW.payload ? 'reroute' THEN NEW.route := 'db'; END IF;
              RETURN NEW;
          END $$",
     )
@@ -512,6 +514,9 @@ async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias', 'alias'])",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias', 'alias'], \
              idempotency_keys => ARRAY['x', 'y'])",
+        "SELECT count(*) FROM almanac.enqueue('to_kafka', '{\"reroute\": 1}')",
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka'], \
+             ARRAY['{\"reroute\": 1}', '{\"reroute\": 1}']::jsonb[])",
         "SELECT count(*) FROM almanac.enqueue('alias_ordered', '{\"acct\": \"z\"}')",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias_ordered', 'alias_ordered'], \
              ARRAY['{\"acct\": \"z\"}', '{\"acct\": \"z\"}']::jsonb[])",
@@ -551,7 +556,7 @@ async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
         [
             ("per_account", "held", 2),
             ("per_account", "ready", 1),
-            ("to_kafka", "ready", 5),
+            ("to_kafka", "ready", 8),
         ]
     );
 }
