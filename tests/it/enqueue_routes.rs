@@ -65,6 +65,46 @@ async fn misrouted(conn: &mut PgConnection) -> Vec<(i64, String, String, Vec<Str
     .unwrap()
 }
 
+/// Installs a BEFORE INSERT row trigger `name` on `almanac.jobs` (a user's
+/// own; triggers fire in name order) running the PL/pgSQL `body`.
+async fn user_trigger(pool: &PgPool, name: &str, body: &str) {
+    sqlx::query(&format!(
+        "CREATE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$ {body} $$"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "CREATE TRIGGER {name} BEFORE INSERT ON almanac.jobs \
+         FOR EACH ROW EXECUTE FUNCTION public.{name}()"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Orders kind `per_account` by the payload's `acct`.
+async fn order_per_account(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
+         VALUES ('per_account', '/acct', '{acct}', 'test')",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// `kind status jobs` of the jobs matching `filter`.
+async fn per_kind_and_status(conn: &mut PgConnection, filter: &str) -> Vec<String> {
+    sqlx::query_scalar(&format!(
+        "SELECT kind || ' ' || status || ' ' || count(*) FROM almanac.jobs WHERE {filter} \
+         GROUP BY kind, status ORDER BY kind, status"
+    ))
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
 /// The marker that lets the functions' own insert skip the trigger.
 async fn marker(conn: &mut PgConnection) -> Option<String> {
     sqlx::query_scalar("SELECT current_setting('almanac.routes_taken', true)")
@@ -174,23 +214,15 @@ async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(p
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_failed_call_leaves_no_insert_unrouted(pool: PgPool) {
     set_routes(&pool).await;
-    sqlx::query(
-        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
+    user_trigger(
+        &pool,
+        "zz_refuse",
+        "BEGIN
              IF NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'refused'; END IF;
              RETURN NEW;
-         END $$",
+         END",
     )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER zz_refuse BEFORE INSERT ON almanac.jobs
-         FOR EACH ROW EXECUTE FUNCTION public.refuse()",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    .await;
     let mut conn = pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
     for call in [
@@ -388,18 +420,13 @@ async fn an_enqueue_that_waited_for_a_route_or_ordering_change_takes_it(pool: Pg
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: PgPool) {
     set_routes(&pool).await;
-    sqlx::query(
-        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
-         VALUES ('per_account', '/acct', '{acct}', 'test')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    order_per_account(&pool).await;
     // A BEFORE trigger, after the route trigger (triggers fire in name
     // order): it runs while the outer call's batch is half inserted.
-    sqlx::query(
-        "CREATE FUNCTION public.fan_out() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
+    user_trigger(
+        &pool,
+        "zz_fan_out",
+        "BEGIN
              IF NEW.kind = 'parent' THEN
                  INSERT INTO almanac.jobs (kind) VALUES ('to_kafka');
                  PERFORM almanac.enqueue('to_rabbit');
@@ -407,18 +434,9 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
                  PERFORM almanac.enqueue_many(ARRAY['to_kafka', 'to_kafka']);
              END IF;
              RETURN NEW;
-         END $$",
+         END",
     )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER zz_fan_out BEFORE INSERT ON almanac.jobs
-         FOR EACH ROW EXECUTE FUNCTION public.fan_out()",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    .await;
     let mut conn = pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
     sqlx::query("SET LOCAL track_functions = 'pl'")
@@ -445,24 +463,13 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
 
     let wrong = misrouted(&mut conn).await;
     assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
-    let per_kind: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT kind, status, count(*) FROM almanac.jobs \
-         WHERE kind <> 'parent' OR status <> 'ready' GROUP BY 1, 2 ORDER BY 1, 2",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap();
-    let per_kind: Vec<(&str, &str, i64)> = per_kind
-        .iter()
-        .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
-        .collect();
     assert_eq!(
-        per_kind,
+        per_kind_and_status(&mut conn, "kind <> 'parent' OR status <> 'ready'").await,
         [
-            ("per_account", "held", 5),
-            ("per_account", "ready", 1),
-            ("to_kafka", "ready", 18),
-            ("to_rabbit", "ready", 6),
+            "per_account held 5",
+            "per_account ready 1",
+            "to_kafka ready 18",
+            "to_rabbit ready 6",
         ]
     );
     let keys: Vec<Option<String>> = sqlx::query_scalar(
@@ -482,33 +489,19 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
 #[sqlx::test(migrator = "almanac::db::MIGRATOR")]
 async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
     set_routes(&pool).await;
-    sqlx::query(
-        "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
-         VALUES ('per_account', '/acct', '{acct}', 'test')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "CREATE FUNCTION public.rewrite() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
+    order_per_account(&pool).await;
+    user_trigger(
+        &pool,
+        "aa_rewrite",
+        "BEGIN
              IF NEW.kind = 'alias' THEN NEW.kind := 'to_kafka'; END IF;
              IF NEW.kind = 'alias_ordered' THEN NEW.kind := 'per_account'; END IF;
              IF NEW.kind = 'keyed' THEN NEW.ordering_key := 'k1'; END IF;
              IF NEW.payload ? 'reroute' THEN NEW.route := 'db'; END IF;
              RETURN NEW;
-         END $$",
+         END",
     )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER aa_rewrite BEFORE INSERT ON almanac.jobs
-         FOR EACH ROW EXECUTE FUNCTION public.rewrite()",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    .await;
     for call in [
         "SELECT count(*) FROM almanac.enqueue('alias')",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias', 'alias'])",
@@ -541,22 +534,12 @@ async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();
     let wrong = misrouted(&mut conn).await;
     assert!(wrong.is_empty(), "jobs off their kind's route: {wrong:?}");
-    let per_kind: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT kind, status, count(*) FROM almanac.jobs GROUP BY 1, 2 ORDER BY 1, 2",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap();
-    let per_kind: Vec<(&str, &str, i64)> = per_kind
-        .iter()
-        .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
-        .collect();
     assert_eq!(
-        per_kind,
+        per_kind_and_status(&mut conn, "true").await,
         [
-            ("per_account", "held", 2),
-            ("per_account", "ready", 1),
-            ("to_kafka", "ready", 8),
+            "per_account held 2",
+            "per_account ready 1",
+            "to_kafka ready 8",
         ]
     );
 }
