@@ -330,6 +330,34 @@ END $$;
 
 
 --
+-- Name: edit_function(regprocedure, text[], text); Type: FUNCTION; Schema: almanac; Owner: -
+--
+
+CREATE FUNCTION almanac.edit_function(p_fn regprocedure, p_edits text[], p_from text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+-- Replaces, in the definition PostgreSQL holds for p_fn, each p_edits[i][1]
+-- with p_edits[i][2], after checking the old text is there exactly
+-- p_edits[i][3] times; refuses (naming p_from, the migration that left the
+-- expected text) a function that is not as expected, so a migration never
+-- half-applies an edit.
+DECLARE
+    v_def text := pg_get_functiondef(p_fn);
+    i integer;
+BEGIN
+    FOR i IN 1 .. array_length(p_edits, 1) LOOP
+        IF (length(v_def) - length(replace(v_def, p_edits[i][1], ''))) / length(p_edits[i][1])
+           <> p_edits[i][3]::integer THEN
+            RAISE EXCEPTION '% is not the function % left (% is not there % times); restore it first',
+                p_fn, p_from, p_edits[i][1], p_edits[i][3];
+        END IF;
+        v_def := replace(v_def, p_edits[i][1], p_edits[i][2]);
+    END LOOP;
+    EXECUTE v_def;
+END $$;
+
+
+--
 -- Name: enqueue(text, jsonb, timestamp with time zone, integer, text, integer, text, text); Type: FUNCTION; Schema: almanac; Owner: -
 --
 
@@ -444,8 +472,8 @@ DECLARE
     v_key text;
     v_created boolean[];
     v_missing integer;
-    v_rkinds text[];
-    v_rmodes text[];
+    v_one_kind text;
+    v_route text;
     v_routed boolean := false;
     v_marker text;
 BEGIN
@@ -586,24 +614,22 @@ BEGIN
         RETURN;
     END IF;
 
-    -- The batch's routes (0137), once per kind: each kind's route lock,
-    -- in sorted order, then a new statement reads the routes. A batch with
-    -- an ordering key or an ordered kind is routed by the trigger.
-    IF coalesce(num_nonnulls(VARIADIC enqueue_many.ordering_keys), 0) = 0 THEN
-        v_rkinds := ARRAY(SELECT DISTINCT k.kind FROM unnest(enqueue_many.kinds) AS k(kind) ORDER BY 1);
-        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || k.kind))
-        FROM unnest(v_rkinds) AS k(kind);
-        SELECT array_agg(coalesce(r.mode, 'db') ORDER BY k.i), bool_and(o.kind IS NULL)
-        INTO v_rmodes, v_routed
-        FROM unnest(v_rkinds) WITH ORDINALITY AS k(kind, i)
+    -- The batch's route (0137; 0139, 0141): a batch of one kind without
+    -- ordering keys takes the kind's route lock, then a new statement reads
+    -- its route, as almanac.enqueue does. A batch of several kinds, with an
+    -- ordering key, or of an ordered kind is routed by the trigger.
+    v_one_kind := enqueue_many.kinds[array_lower(enqueue_many.kinds, 1)];
+    IF v_one_kind = ALL (enqueue_many.kinds)
+       AND coalesce(num_nonnulls(VARIADIC enqueue_many.ordering_keys), 0) = 0 THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtext('almanac.route:' || v_one_kind));
+        SELECT coalesce(r.mode, 'db'), o.kind IS NULL INTO v_route, v_routed
+        FROM (SELECT v_one_kind AS kind) AS k
         LEFT JOIN almanac.routes AS r ON r.kind = k.kind
         LEFT JOIN almanac.kind_ordering AS o ON o.kind = k.kind;
-        -- One kind only (0139): the marker names it.
-        v_routed := v_routed AND cardinality(v_rkinds) = 1;
     END IF;
     IF v_routed THEN
         v_marker := current_setting('almanac.routes_taken', true);
-        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_rmodes[1] || ':' || v_rkinds[1], true);
+        PERFORM set_config('almanac.routes_taken', pg_current_xact_id()::text || ':' || pg_trigger_depth() || ':' || v_route || ':' || v_one_kind, true);
     END IF;
 
     -- No job has a key (0135): nothing can conflict, so the rows go in
@@ -617,13 +643,12 @@ BEGIN
                  ordering_key, traceparent, route)
             SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
                    coalesce(t.max_attempts, 5), t.schedule, t.logical_run, coalesce(t.priority, 0),
-                   t.okey, t.tp, coalesce(r.mode, 'db')
+                   t.okey, t.tp, coalesce(v_route, 'db')
             FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
                         enqueue_many.max_attempts, enqueue_many.schedules, enqueue_many.logical_runs,
                         enqueue_many.priorities, enqueue_many.ordering_keys, enqueue_many.traceparents)
                  WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, schedule, logical_run,
                                       priority, okey, tp, i)
-            LEFT JOIN unnest(v_rkinds, v_rmodes) AS r(kind, mode) ON r.kind = t.kind
             ORDER BY t.i
             RETURNING j.id
         )
@@ -645,14 +670,13 @@ BEGIN
              ordering_key, traceparent, route)
         SELECT t.kind, coalesce(t.payload, '{}'), coalesce(t.run_at, now()),
                coalesce(t.max_attempts, 5), t.key, t.schedule, t.logical_run, coalesce(t.priority, 0),
-               t.okey, t.tp, coalesce(r.mode, 'db')
+               t.okey, t.tp, coalesce(v_route, 'db')
         FROM unnest(enqueue_many.kinds, enqueue_many.payloads, enqueue_many.run_ats,
                     enqueue_many.max_attempts, enqueue_many.idempotency_keys,
                     enqueue_many.schedules, enqueue_many.logical_runs, enqueue_many.priorities,
                     enqueue_many.ordering_keys, enqueue_many.traceparents)
              WITH ORDINALITY AS t(kind, payload, run_at, max_attempts, key, schedule, logical_run,
                                   priority, okey, tp, i)
-        LEFT JOIN unnest(v_rkinds, v_rmodes) AS r(kind, mode) ON r.kind = t.kind
         -- Of jobs with the same key in one call, the first is inserted.
         ORDER BY t.i
         ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
