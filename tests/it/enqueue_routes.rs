@@ -39,10 +39,11 @@ async fn set_routes(pool: &PgPool) {
             .await
             .unwrap();
     }
-    sqlx::query("INSERT INTO almanac.kind_ordering (kind, set_by) VALUES ('ordered', 'test')")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+    exec(
+        &mut *conn,
+        "INSERT INTO almanac.kind_ordering (kind, set_by) VALUES ('ordered', 'test')",
+    )
+    .await;
 }
 
 /// Jobs whose route or outbox rows are not their kind's: (id, kind, route,
@@ -65,33 +66,42 @@ async fn misrouted(conn: &mut PgConnection) -> Vec<(i64, String, String, Vec<Str
     .unwrap()
 }
 
+/// Runs `sql`, which must succeed.
+async fn exec<'c>(executor: impl sqlx::PgExecutor<'c>, sql: &str) {
+    sqlx::query(sql)
+        .execute(executor)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
 /// Installs a BEFORE INSERT row trigger `name` on `almanac.jobs` (a user's
 /// own; triggers fire in name order) running the PL/pgSQL `body`.
 async fn user_trigger(pool: &PgPool, name: &str, body: &str) {
-    sqlx::query(&format!(
-        "CREATE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$ {body} $$"
-    ))
-    .execute(pool)
-    .await
-    .unwrap();
-    sqlx::query(&format!(
-        "CREATE TRIGGER {name} BEFORE INSERT ON almanac.jobs \
-         FOR EACH ROW EXECUTE FUNCTION public.{name}()"
-    ))
-    .execute(pool)
-    .await
-    .unwrap();
+    exec(
+        pool,
+        &format!(
+            "CREATE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$ {body} $$"
+        ),
+    )
+    .await;
+    exec(
+        pool,
+        &format!(
+            "CREATE TRIGGER {name} BEFORE INSERT ON almanac.jobs \
+             FOR EACH ROW EXECUTE FUNCTION public.{name}()"
+        ),
+    )
+    .await;
 }
 
 /// Orders kind `per_account` by the payload's `acct`.
 async fn order_per_account(pool: &PgPool) {
-    sqlx::query(
+    exec(
+        pool,
         "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
          VALUES ('per_account', '/acct', '{acct}', 'test')",
     )
-    .execute(pool)
-    .await
-    .unwrap();
+    .await;
 }
 
 /// `kind status jobs` of the jobs matching `filter`.
@@ -153,7 +163,7 @@ async fn every_way_of_enqueueing_gives_each_job_its_kinds_route_and_outbox_row(p
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['plain', 'to_kafka'], \
              ordering_keys => ARRAY[NULL, NULL])",
     ] {
-        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        exec(&mut *tx, call).await;
         let left = marker(&mut tx).await;
         assert!(
             left.as_deref().unwrap_or_default().is_empty(),
@@ -259,20 +269,18 @@ async fn an_open_enqueue_holds_each_of_its_kinds_against_a_route_change(pool: Pg
         .await
         .unwrap();
     let mut tx = app.begin().await.unwrap();
-    sqlx::query("SELECT count(*) FROM almanac.enqueue_many(ARRAY['a', 'b', 'a'])")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query(
-        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['c', 'c'], idempotency_keys => ARRAY['x', 'y'])",
+    exec(
+        &mut *tx,
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['a', 'b', 'a'])",
     )
-    .execute(&mut *tx)
-    .await
-    .unwrap();
-    sqlx::query("SELECT count(*) FROM almanac.enqueue('d')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    .await;
+    exec(
+        &mut *tx,
+        "SELECT count(*) FROM almanac.enqueue_many(ARRAY['c', 'c'], \
+         idempotency_keys => ARRAY['x', 'y'])",
+    )
+    .await;
+    exec(&mut *tx, "SELECT count(*) FROM almanac.enqueue('d')").await;
     let mut operator = pool.acquire().await.unwrap();
     for kind in ["a", "b", "c", "d"] {
         let change = routes::set_within(
@@ -316,28 +324,29 @@ async fn an_enqueue_that_waited_for_a_route_or_ordering_change_takes_it(pool: Pg
     set_routes(&pool).await;
     let mut change = pool.acquire().await.unwrap();
     let mut tx = change.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('almanac.route:to_kafka'))")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query(
-        "UPDATE almanac.routes SET mode = 'db', sink = NULL, destination = NULL WHERE kind = 'to_kafka'",
+    exec(
+        &mut *tx,
+        "SELECT pg_advisory_xact_lock(hashtext('almanac.route:to_kafka'))",
     )
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    .await;
+    exec(
+        &mut *tx,
+        "UPDATE almanac.routes SET mode = 'db', sink = NULL, destination = NULL \
+         WHERE kind = 'to_kafka'",
+    )
+    .await;
     // And `ordering set` of another kind, under its lock.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('almanac.route:late'))")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query(
+    exec(
+        &mut *tx,
+        "SELECT pg_advisory_xact_lock(hashtext('almanac.route:late'))",
+    )
+    .await;
+    exec(
+        &mut *tx,
         "INSERT INTO almanac.kind_ordering (kind, key_pointer, key_path, set_by) \
          VALUES ('late', '/acct', '{acct}', 'test')",
     )
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    .await;
     let calls = [
         "SELECT count(*) FROM almanac.enqueue('late', '{\"acct\": \"x\"}')",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['late', 'late'], \
@@ -360,7 +369,7 @@ async fn an_enqueue_that_waited_for_a_route_or_ordering_change_takes_it(pool: Pg
             .unwrap();
         pids.push(pid);
         waiting.spawn(async move {
-            sqlx::query(call).execute(&mut conn).await.unwrap();
+            exec(&mut conn, call).await;
         });
     }
     eventually(
@@ -439,17 +448,14 @@ async fn jobs_a_trigger_inserts_during_an_enqueue_are_routed_and_ordered(pool: P
     .await;
     let mut conn = pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    exec(&mut *tx, "SET LOCAL track_functions = 'pl'").await;
     for call in [
         "SELECT count(*) FROM almanac.enqueue('parent')",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'parent', 'parent'])",
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['parent', 'parent'], \
              idempotency_keys => ARRAY['p', 'q'])",
     ] {
-        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        exec(&mut *tx, call).await;
         let left = marker(&mut tx).await;
         assert!(
             left.as_deref().unwrap_or_default().is_empty(),
@@ -514,7 +520,7 @@ async fn a_row_a_user_trigger_rewrites_is_routed_as_rewritten(pool: PgPool) {
         "SELECT count(*) FROM almanac.enqueue_many(ARRAY['alias_ordered', 'alias_ordered'], \
              ARRAY['{\"acct\": \"z\"}', '{\"acct\": \"z\"}']::jsonb[])",
     ] {
-        sqlx::query(call).execute(&pool).await.unwrap();
+        exec(&pool, call).await;
     }
     for call in [
         "SELECT count(*) FROM almanac.enqueue('keyed')",
@@ -553,10 +559,7 @@ async fn the_trigger_runs_for_no_row_the_functions_route_and_for_every_other(poo
     set_routes(&pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SET LOCAL track_functions = 'pl'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    exec(&mut *tx, "SET LOCAL track_functions = 'pl'").await;
     let mut counted = Vec::new();
     for call in [
         "SELECT count(*) FROM almanac.enqueue_many(array_fill('to_kafka'::text, ARRAY[300]))",
@@ -568,7 +571,7 @@ async fn the_trigger_runs_for_no_row_the_functions_route_and_for_every_other(poo
         "SELECT count(*) FROM almanac.enqueue('ordered')",
         "INSERT INTO almanac.jobs (kind) VALUES ('to_kafka'), ('plain')",
     ] {
-        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        exec(&mut *tx, call).await;
         counted.push(trigger_calls(&mut tx).await);
     }
     tx.commit().await.unwrap();
